@@ -1,0 +1,181 @@
+"""LLMEngine: the step loop. One step = schedule, run the model, sample, process outputs.
+
+    batch  = scheduler.schedule()          which sequences run, how many tokens each
+    inputs = runner.prepare(batch)         packed token ids, positions, attention metadata
+    logits = runner.forward(inputs)        one forward pass for the whole batch
+    tokens = sampler(logits)               one new token per sequence
+    output_processor.append_token(...)     detokenize, check stop conditions, finish
+    scheduler.free_finished()              finished sequences give their cache back at once
+
+Every step leaves a StepRecord in `self.trace`. Requests are validated in `add_request` before
+anything is queued, so a bad request raises a ValueError and leaves the engine as it was.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from .attention import get_attention_backend
+from .config import EngineConfig
+from .kv.contiguous_cache import ContiguousKVCache
+from .models.loader import load_model, load_tokenizer, read_args, resolve_checkpoint
+from .output_processor import OutputProcessor
+from .outputs import RequestOutput
+from .runner import ModelRunner
+from .sampler import Sampler, top_logprobs
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence, SequenceStatus
+from .trace import StepRecord
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.checkpoint = resolve_checkpoint(config.model)
+        self.model_args = read_args(self.checkpoint)
+        config.finalize(self.model_args.max_position_embeddings)
+        self.device, self.dtype = config.torch_device, config.torch_dtype
+        self.model = load_model(self.checkpoint, self.dtype, self.device, config.max_model_len)
+        self.tokenizer = load_tokenizer(self.checkpoint)
+        self.cache = ContiguousKVCache(self.model_args, config.max_num_seqs, config.max_model_len,
+                                       self.dtype, self.device)
+        self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.scheduler = Scheduler(config, self.cache)
+        self.runner = ModelRunner(self.model, self.cache, self.backend, self.device)
+        self.sampler = Sampler(config.seed)
+        self.output_processor = OutputProcessor(self.tokenizer, self._eos_token_ids(),
+                                                config.max_model_len)
+        self.trace: list[StepRecord] = []
+        self._request_counter = itertools.count()
+        self._sequences: dict[str, Sequence] = {}
+
+    def _eos_token_ids(self) -> set[int]:
+        import json
+        ids: set[int] = set()
+        gen_cfg = self.checkpoint / "generation_config.json"
+        cfg = json.loads((self.checkpoint / "config.json").read_text())
+        sources = [cfg.get("eos_token_id")]
+        if gen_cfg.is_file():
+            sources.append(json.loads(gen_cfg.read_text()).get("eos_token_id"))
+        if self.tokenizer is not None:
+            sources.append(self.tokenizer.eos_token_id)
+        for src in sources:
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, list):
+                ids.update(src)
+        return ids
+
+    # ----------------------------------------------------------------------------- requests
+    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        """A str is tokenized; a list of ints is taken as token ids. Errors name the problem."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt='' is invalid: the prompt must contain at least one token")
+            if self.tokenizer is None:
+                raise ValueError(f"model={self.config.model!r} has no tokenizer: pass token-id "
+                                 "lists (list[int]) as prompts")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            prompt = prompt["prompt_token_ids"]
+        if isinstance(prompt, (list, tuple)) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = self.model_args.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids {bad[:5]} are invalid: ids must be in "
+                                 f"[0, {vocab}) for this model's vocabulary")
+            return None, list(prompt)
+        raise ValueError(f"prompt={prompt!r:.80} is invalid: a prompt is a str or a list of "
+                         "token ids (int)")
+
+    def add_request(self, prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params={params!r:.60} is invalid: pass a SamplingParams")
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt is invalid: it tokenizes to 0 tokens; at least one is needed")
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"prompt is too long: {len(ids)} tokens, but max_model_len={limit} "
+                             "must hold the prompt and at least one generated token")
+        if params.stop_list and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model has none; "
+                             "use stop_token_ids")
+        request_id = request_id if request_id is not None else str(next(self._request_counter))
+        if request_id in self._sequences:
+            raise ValueError(f"request_id={request_id!r} is invalid: it is already in use")
+        seq = Sequence(request_id, text, ids, params)
+        if params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(params.seed)
+        if params.logprobs is not None:
+            seq.logprobs = []
+        self._sequences[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            seq.status = SequenceStatus.FINISHED
+            seq.finished_time = time.perf_counter()
+        self._sequences.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_sequence(self, request_id: str) -> Sequence | None:
+        return self._sequences.get(request_id)
+
+    def pop_output(self, request_id: str) -> RequestOutput:
+        """The finished request's output; the engine forgets the request."""
+        return self.output_processor.to_request_output(self._sequences.pop(request_id))
+
+    # ----------------------------------------------------------------------------- the step
+    def step(self) -> list[Sequence]:
+        """Run one iteration; returns the sequences that received a token in it."""
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return []
+        t1 = time.perf_counter()
+        input_ids, positions, meta = self.runner.prepare(batch)
+        t2 = time.perf_counter()
+        out = self.runner.forward(input_ids, positions, meta, batch)
+        t3 = time.perf_counter()
+        sample = self.sampler(out.logits, [s.params for s in batch.seqs],
+                              [s.generator for s in batch.seqs])
+        t4 = time.perf_counter()
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if i in out.prompt_logprobs:
+                self._fill_prompt_logprobs(seq, out.prompt_logprobs[i])
+            seq.num_computed_tokens += n
+            self.output_processor.append_token(seq, sample.token_ids[i], sample.logprobs[i])
+        finished = self.scheduler.free_finished()
+        t5 = time.perf_counter()
+        self.trace.append(StepRecord(
+            step=len(self.trace), num_seqs=len(batch.seqs),
+            num_prefill_tokens=batch.num_prefill_tokens,
+            num_decode_tokens=batch.num_decode_tokens,
+            num_waiting=len(self.scheduler.waiting),
+            kv_tokens_used=sum(s.num_computed_tokens for s in self.scheduler.running),
+            kv_tokens_reserved=len(self.scheduler.running) * self.config.max_model_len,
+            kv_tokens_total=self.cache.num_slots, num_finished=len(finished),
+            schedule_s=t1 - t0, prepare_s=t2 - t1, forward_s=t3 - t2, sample_s=t4 - t3,
+            postprocess_s=t5 - t4, total_s=t5 - t0))
+        return batch.seqs
+
+    def _fill_prompt_logprobs(self, seq: Sequence, logprobs: torch.Tensor) -> None:
+        n_top = seq.params.prompt_logprobs
+        entries: list = [None]  # nothing predicts the first prompt token
+        for j, token in enumerate(seq.prompt_token_ids[1:]):
+            info = top_logprobs(logprobs[j], token, n_top)
+            entries.append(self.output_processor.logprob_dict(token, info))
+        seq.prompt_logprobs = entries

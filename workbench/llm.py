@@ -1,0 +1,136 @@
+"""LLM: the offline API, shaped like vLLM's, on top of the step loop.
+
+    llm = LLM()                                   # the embedded SmolLM2-135M-Instruct
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
+    out[0].outputs[0].text
+
+`generate` queues every prompt and steps the engine until all are done (they share batches);
+`chat` applies the model's chat template first; `stream` yields text as it is produced.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence as Seq
+
+from .config import EngineConfig
+from .engine import LLMEngine
+from .outputs import RequestOutput, StreamChunk
+from .output_processor import OutputProcessor
+from .sampling_params import SamplingParams
+
+
+def _is_token_ids(x) -> bool:
+    return isinstance(x, (list, tuple)) and bool(x) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m", dtype="auto", device: str = "auto",
+                 verbose: bool = True, **engine_args):
+        """Engine arguments (max_model_len, max_num_seqs, ...) are EngineConfig's fields."""
+        allowed = set(EngineConfig.__dataclass_fields__) - {"model", "dtype", "device"}
+        unknown = sorted(set(engine_args) - allowed)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}: allowed are "
+                             + ", ".join(sorted(allowed)))
+        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, device=device,
+                                             **engine_args))
+        if verbose:
+            print(self.describe())
+
+    def describe(self) -> str:
+        e = self.engine
+        dtype = str(e.dtype).removeprefix("torch.")
+        how = " (auto)" if e.config.device == "auto" else ""
+        return (f"[workbench] {e.config.model}: {e.model.num_parameters() / 1e6:.1f}M parameters "
+                f"on {e.device.type}{how}, {dtype}, attention={e.backend.name}, "
+                f"max_model_len={e.config.max_model_len}, max_num_seqs={e.config.max_num_seqs}, "
+                f"KV cache {e.cache.total_bytes / 2**20:.0f} MiB")
+
+    @property
+    def trace(self):
+        return self.engine.trace
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    # ------------------------------------------------------------------------------ generate
+    def _normalize(self, prompts, sampling_params):
+        if isinstance(prompts, str) or _is_token_ids(prompts) or isinstance(prompts, dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("prompts=[] is invalid: pass at least one prompt")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} "
+                                 "prompts: pass one SamplingParams or one per prompt")
+        for p in prompts:  # validate everything before queueing anything
+            self.engine.tokenize(p)
+        return prompts, params
+
+    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for a prompt or a list of prompts (str or token-id lists), in input order."""
+        prompts, params = self._normalize(prompts, sampling_params)
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.engine.add_request(prompt, p))
+            while any(not self.engine.get_sequence(r).is_finished for r in ids):
+                self.engine.step()
+            return [self.engine.pop_output(r) for r in ids]
+        finally:  # on an error or Ctrl-C, leave no request of ours behind in the engine
+            for r in ids:
+                if self.engine.get_sequence(r) is not None:
+                    self.engine.abort_request(r)
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """messages: one conversation ([{"role": ..., "content": ...}, ...]) or a list of them."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def apply_chat_template(self, conversation, add_generation_prompt: bool = True) -> list[int]:
+        tok = self.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError(f"model={self.engine.config.model!r} has no chat template")
+        for i, m in enumerate(conversation):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
+                    or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}]={m!r:.60} is invalid: each message is a dict "
+                                 "with str 'role' and 'content'")
+        ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                      tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer transformers: BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    # ------------------------------------------------------------------------------ stream
+    def stream(self, prompt, sampling_params: SamplingParams | None = None
+               ) -> Iterator[StreamChunk]:
+        """Yield the new text of one request as the engine produces it, step by step."""
+        self.engine.tokenize(prompt)
+        request_id = self.engine.add_request(prompt, sampling_params)
+        seq = self.engine.get_sequence(request_id)
+        emitted_text, emitted_tokens = 0, 0
+        try:
+            while not seq.is_finished:
+                self.engine.step()
+                stable = OutputProcessor.stable_text_len(seq)
+                if stable > emitted_text or len(seq.output_token_ids) > emitted_tokens \
+                        or seq.is_finished:
+                    chunk = StreamChunk(request_id, seq.text[emitted_text:stable],
+                                        seq.output_token_ids[emitted_tokens:],
+                                        seq.is_finished, seq.finish_reason)
+                    emitted_text = max(emitted_text, stable)
+                    emitted_tokens = len(seq.output_token_ids)
+                    if seq.is_finished:
+                        chunk.output = self.engine.pop_output(request_id)
+                    yield chunk
+        finally:
+            if self.engine.get_sequence(request_id) is not None:
+                self.engine.abort_request(request_id)

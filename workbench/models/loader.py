@@ -1,0 +1,168 @@
+"""Load a Llama-family checkpoint into the engine's own `LlamaModel`.
+
+Every source is first turned into one format, a transformers-style folder (config.json,
+model.safetensors, tokenizer files), so there is one weight-loading path:
+- a local folder is used as it is;
+- a GGUF file (the embedded default included) is dequantized once by transformers' GGUF reader and
+  saved in the cache, keyed by the file's hash: the first load takes ~20 s, later ones ~1 s;
+- 'random:<preset>' writes a seeded random-weight checkpoint once, also in the cache.
+The same folder is what tests hand to transformers, so engine and oracle read identical weights.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .llama import LlamaArgs, LlamaModel
+from .registry import (ALIASES, RANDOM_COMMON, RANDOM_PRESETS, cache_dir, describe_sources,
+                       embedded_gguf)
+
+
+def _file_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+def _publish(tmp: Path, target: Path) -> Path:
+    """Move a finished folder into place; if another process won the race, keep theirs."""
+    try:
+        tmp.rename(target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    """Dequantize a GGUF file into a cached transformers folder (fp32 safetensors + tokenizer)."""
+    target = cache_dir() / "models" / f"{gguf_path.stem}-{_file_hash(gguf_path)}"
+    if (target / "config.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
+    print(f"[workbench] converting {gguf_path.name} once into {target} (about 20 s)")
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    hf_model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                    dtype=torch.float32)
+    # transformers refuses save_pretrained on a GGUF-loaded model, so write the folder ourselves.
+    from safetensors.torch import save_file
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+    if hf_model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # shared with the embedding; safetensors stores it once
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = hf_model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = ["LlamaForCausalLM"]
+    config["workbench_source"] = gguf_path.name
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    hf_model.generation_config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    return _publish(tmp, target)
+
+
+def make_random_checkpoint(preset: str, seed: int = 0, folder: Path | None = None) -> Path:
+    """Write a seeded random-weight Llama (transformers' own init) as a folder; cached by default."""
+    if preset not in RANDOM_PRESETS:
+        raise ValueError(f"model='random:{preset}' is invalid: presets are "
+                         + ", ".join(RANDOM_PRESETS))
+    target = folder or cache_dir() / "models" / f"random-{preset}-seed{seed}"
+    if (target / "config.json").is_file():
+        return target
+    from transformers import LlamaConfig, LlamaForCausalLM
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".random-"))
+    torch.manual_seed(seed)
+    hf_model = LlamaForCausalLM(LlamaConfig(**RANDOM_COMMON, **RANDOM_PRESETS[preset]))
+    hf_model.save_pretrained(tmp)
+    try:  # Share SmolLM2's tokenizer so text prompts work; token-id prompts work without it.
+        tokenizer_src = resolve_checkpoint("smollm2-135m")
+        for f in tokenizer_src.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+                shutil.copy(f, tmp / f.name)
+    except ValueError:
+        pass
+    return _publish(tmp, target)
+
+
+def resolve_checkpoint(model: str) -> Path:
+    """Turn a model name or path into a transformers-style folder on disk."""
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"model={model!r} is invalid: use {describe_sources()}")
+    if model.lower() in ALIASES:
+        return convert_gguf(embedded_gguf())
+    if model.startswith("random:"):
+        return make_random_checkpoint(model.split(":", 1)[1])
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path.resolve())
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model={model!r} is invalid: the folder has no config.json")
+        if not list(path.glob("*.safetensors")):
+            raise ValueError(f"model={model!r} is invalid: the folder has no *.safetensors weights")
+        return path
+    raise ValueError(f"model={model!r} is not a known model: use {describe_sources()}")
+
+
+def read_args(folder: Path) -> LlamaArgs:
+    return LlamaArgs.from_hf_config(json.loads((folder / "config.json").read_text()))
+
+
+def _fused_state_dict(hf_state: dict[str, torch.Tensor], args: LlamaArgs) -> dict:
+    """Rename transformers' tensors to ours and concatenate q/k/v and gate/up."""
+    out = {}
+    for name, tensor in hf_state.items():
+        name = name.removeprefix("model.")
+        if ".self_attn.q_proj." in name or ".mlp.gate_proj." in name:
+            continue  # handled together with their partners below
+        if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name or ".mlp.up_proj." in name:
+            continue
+        out[name] = tensor
+    for i in range(args.num_hidden_layers):
+        p = f"model.layers.{i}."
+        out[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
+            [hf_state[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+        out[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
+            [hf_state[p + "mlp.gate_proj.weight"], hf_state[p + "mlp.up_proj.weight"]])
+    if args.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def load_model(folder: Path, dtype: torch.dtype, device: torch.device,
+               max_positions: int | None = None) -> LlamaModel:
+    """Build the model without initializing it (meta device), then fill in the checkpoint."""
+    from safetensors.torch import load_file
+    args = read_args(folder)
+    with torch.device("meta"):
+        model = LlamaModel(args, max_positions)
+    hf_state = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        hf_state.update(load_file(str(f)))
+    state = _fused_state_dict(hf_state, args)
+    model.to_empty(device=device)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (args.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {folder} does not fit the Llama architecture: "
+                         f"missing {missing[:4]}, unexpected {unexpected[:4]}")
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary.rebuild(device)
+    return model.to(dtype).eval()
+
+
+def load_tokenizer(folder: Path):
+    """The checkpoint's tokenizer, or None for a weights-only folder (token-id prompts only)."""
+    if not any(folder.glob("tokenizer*")):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(folder))

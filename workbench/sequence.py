@@ -1,0 +1,66 @@
+"""Sequence: one request's state as it moves through the engine.
+
+A sequence owns its tokens (prompt then output), knows how many of them already have keys and values
+in the KV cache (`num_computed_tokens`), and carries what the output processor accumulates (text,
+logprobs, finish reason) and the timestamps that TTFT and TPOT are computed from.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"      # queued, nothing in the cache yet
+    RUNNING = "running"      # holds cache space, gets tokens every step
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.perf_counter)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    cache_row: int | None = None             # which cache reservation this sequence holds
+    generator: torch.Generator | None = None  # per-request RNG when a seed is given
+    output_token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None          # "stop" or "length"
+    stop_reason: str | int | None = None      # the stop string or stop token that ended it
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
+    cumulative_logprob: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose keys and values are not in the cache yet: the next step's work."""
+        return self.num_tokens - self.num_computed_tokens
