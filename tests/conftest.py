@@ -1,0 +1,61 @@
+"""Shared fixtures. Models are loaded once per test session: the tiny random Llamas in milliseconds,
+the real SmolLM2 in about a second once its GGUF has been converted into the cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workbench import LLM
+from workbench.models import make_random_checkpoint, resolve_checkpoint
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder():
+    return resolve_checkpoint("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(smollm2_folder):
+    # Depends on smollm2_folder so the tiny model gets SmolLM2's tokenizer.
+    return make_random_checkpoint("tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_folder):
+    return LLM(model=str(tiny_folder), dtype="float32", device="cpu", verbose=False,
+               max_model_len=256, max_num_seqs=4)
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_folder):
+    return LLM(model="smollm2-135m", dtype="float32", device="cpu", verbose=False,
+               max_model_len=512, max_num_seqs=8)
+
+
+def hf_model(folder, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt_ids: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy generate() for one prompt; stops at EOS like the engine does."""
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@torch.inference_mode()
+def engine_next_token_logits(llm, prompt_ids: list[int]) -> torch.Tensor:
+    """The engine's fp32 logits for the token after `prompt_ids`, from one real prefill step."""
+    from workbench import SamplingParams
+    engine = llm.engine
+    request_id = engine.add_request(prompt_ids, SamplingParams(temperature=0, max_tokens=1))
+    try:
+        batch = engine.scheduler.schedule()
+        assert [s.request_id for s in batch.seqs] == [request_id]
+        out = engine.runner.forward(*engine.runner.prepare(batch), batch)
+        return out.logits[0]
+    finally:
+        engine.abort_request(request_id)

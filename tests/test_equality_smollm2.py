@@ -1,0 +1,50 @@
+"""The real model: greedy output token-identical to transformers' generate() in fp32 on CPU."""
+import pytest
+import torch
+
+from workbench import SamplingParams
+
+from conftest import engine_next_token_logits, hf_greedy, hf_model
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Here is a list of three fruits:\n1.",
+    "Question: What is 17 times 3?\nAnswer:",
+    "La recette traditionnelle de la ratatouille commence par",
+    "Once upon a time, in a small village by the sea,",
+    "<|im_start|>user\nGive me two tips for learning to program.<|im_end|>\n<|im_start|>assistant\n",
+    "1, 1, 2, 3, 5, 8, 13, 21,",
+    "🙂 Emoji and unicode: naïve café, Straße, 東京 —",
+]
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def hf(smollm2_folder):
+    return hf_model(smollm2_folder)
+
+
+def test_greedy_generation_is_token_identical_to_transformers(smollm2_llm, hf):
+    tok = smollm2_llm.get_tokenizer()
+    outputs = smollm2_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
+    for prompt, out in zip(PROMPTS, outputs):
+        ids = tok.encode(prompt)
+        assert out.prompt_token_ids == ids
+        expected = hf_greedy(hf, ids, NEW_TOKENS)
+        assert out.outputs[0].token_ids == expected, prompt
+        # The text is the tokens decoded, end-of-sequence token left out.
+        assert out.outputs[0].text == tok.decode(expected, skip_special_tokens=True)
+        assert out.outputs[0].finish_reason == ("length" if len(expected) == NEW_TOKENS
+                                                and expected[-1] != 2 else "stop")
+
+
+def test_next_token_logits_match_transformers_in_fp32(smollm2_llm, hf):
+    tok = smollm2_llm.get_tokenizer()
+    for prompt in PROMPTS:
+        ids = tok.encode(prompt)
+        ours = engine_next_token_logits(smollm2_llm, ids)
+        with torch.inference_mode():
+            theirs = hf(torch.tensor([ids])).logits[0, -1].float()
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-4)
+        assert ours.argmax() == theirs.argmax()

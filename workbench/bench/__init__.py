@@ -1,0 +1,7 @@
+"""Benchmarks: named workloads, run side by side with their peers in one process.
+
+`python -m workbench.bench single-stream` (or `./run bench`). See the README's benchmark section.
+"""
+from .bandwidth import copy_bandwidth, decode_bytes_per_token
+
+__all__ = ["copy_bandwidth", "decode_bytes_per_token"]
