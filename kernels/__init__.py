@@ -1,0 +1,10 @@
+"""Triton kernels of the workbench: one file per kernel family, each with its launcher and a
+plain-PyTorch reference that is its specification.
+
+The engine reaches kernels only through `workbench.attention.backends` (and, later, the quantized
+linear layers), so every kernel can be switched off and compared with its reference in one place.
+On CPU, the tests run the kernels through Triton's interpreter (`TRITON_INTERPRET=1`).
+
+Name clash: Hugging Face publishes an unrelated package whose import name is also `kernels`;
+transformers probes for it. See the README ("Our `kernels` and Hugging Face's").
+"""

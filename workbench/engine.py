@@ -85,6 +85,8 @@ class LLMEngine:
             prompt = prompt["prompt_token_ids"]
         if isinstance(prompt, (list, tuple)) and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not prompt:
+                raise ValueError("prompt=[] is invalid: the prompt must contain at least one token")
             vocab = self.model_args.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
