@@ -41,6 +41,10 @@ class LLM:
         e = self.engine
         dtype = str(e.dtype).removeprefix("torch.")
         how = " (auto)" if e.config.device == "auto" else ""
+        if e.config.dtype == "auto":
+            dtype += (" (auto: CUDA)" if e.device.type == "cuda" else
+                      " (auto: this CPU has native bf16)" if dtype == "bfloat16" else
+                      " (auto: no native bf16 on this CPU)")
         return (f"[workbench] {e.config.model}: {e.model.num_parameters() / 1e6:.1f}M parameters "
                 f"on {e.device.type}{how}, {dtype}, attention={e.backend.name}, "
                 f"max_model_len={e.config.max_model_len}, max_num_seqs={e.config.max_num_seqs}, "
