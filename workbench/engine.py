@@ -13,6 +13,7 @@ anything is queued, so a bad request raises a ValueError and leaves the engine a
 from __future__ import annotations
 
 import itertools
+import json
 import time
 
 import torch
@@ -55,7 +56,7 @@ class LLMEngine:
         self._sequences: dict[str, Sequence] = {}
 
     def _eos_token_ids(self) -> set[int]:
-        import json
+        """End-of-sequence ids from config.json, generation_config.json and the tokenizer."""
         ids: set[int] = set()
         gen_cfg = self.checkpoint / "generation_config.json"
         cfg = json.loads((self.checkpoint / "config.json").read_text())

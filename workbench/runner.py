@@ -33,7 +33,7 @@ class ModelRunner:
         ids, positions, slots, q_lens, seq_lens = [], [], [], [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
-            ids.extend(seq.all_token_ids[start:start + n])
+            ids.extend(seq.token_slice(start, start + n))
             positions.extend(range(start, start + n))
             slots.append(self.cache.slots(seq.cache_row, start, start + n))
             q_lens.append(n)

@@ -56,6 +56,13 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without copying the whole sequence."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
