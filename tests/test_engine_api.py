@@ -10,7 +10,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8)
 def assert_engine_idle(llm):
     engine = llm.engine
     assert not engine.has_unfinished_requests()
-    assert engine.cache.num_free_rows == engine.config.max_num_seqs
+    assert engine.blocks.pool.num_used == 0 and not engine.blocks.tables
+    engine.blocks.check_invariants()
     assert not engine._sequences
 
 

@@ -1,4 +1,4 @@
-"""Continuous batching, step by step: who runs when, which cache row each sequence holds, and
+"""Continuous batching, step by step: who runs when, which blocks each sequence holds, and
 invariants under random sequences of adds, aborts and steps (on the real tiny engine)."""
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -9,7 +9,7 @@ from workbench import LLM, SamplingParams
 @pytest.fixture(scope="module")
 def llm2(tiny_folder):
     return LLM(model=str(tiny_folder), dtype="float32", device="cpu", verbose=False,
-               max_model_len=64, max_num_seqs=2)
+               max_model_len=64, max_num_seqs=2, block_size=4, num_kv_blocks=16)
 
 
 def params(n):
@@ -23,67 +23,68 @@ def test_requests_join_the_step_after_a_slot_frees(llm2):
     b = engine.add_request([1, 2, 3, 4], params(5))
     c = engine.add_request([5, 6], params(3))
     d = engine.add_request([7, 8, 9, 10, 11], params(1))
-    rows = []
+    tables = []
     while engine.has_unfinished_requests():
         engine.step()
-        rows.append({s.request_id: s.cache_row for s in engine.scheduler.running})
+        tables.append({r: list(t) for r, t in engine.blocks.tables.items()})
     steps = [(r.num_seqs, r.num_prefill_tokens, r.num_decode_tokens, r.num_waiting,
               r.num_finished) for r in engine.trace[start:]]
     assert steps == [
         (2, 7, 0, 2, 0),   # A and B prefill together; C and D wait (max_num_seqs=2)
-        (2, 0, 2, 2, 1),   # both decode; A reaches max_tokens=2 and frees row 0
+        (2, 0, 2, 2, 1),   # both decode; A reaches max_tokens=2 and frees its block
         (2, 2, 1, 1, 0),   # C joins at once, its prefill mixed with B's decode
         (2, 0, 2, 1, 0),
         (2, 0, 2, 1, 2),   # B and C finish in the same step
         (1, 5, 0, 0, 1),   # D prefills and is done after its single token
     ]
-    assert rows == [{a: 0, b: 1}, {b: 1}, {b: 1, c: 0}, {b: 1, c: 0}, {}, {}]
+    # Blocks of 4 tokens, taken on demand: B's 5th token takes a second block (2) in step 1.
+    assert tables == [{a: [0], b: [1]}, {b: [1, 2]}, {b: [1, 2], c: [0]}, {b: [1, 2], c: [0]},
+                      {}, {}]
     lengths = {r: len(engine.pop_output(r).outputs[0].token_ids) for r in (a, b, c, d)}
     assert lengths == {a: 2, b: 5, c: 3, d: 1}
 
 
-def test_abort_frees_the_row_and_the_queue_moves_on(llm2):
+def test_abort_frees_the_blocks_and_the_queue_moves_on(llm2):
     engine = llm2.engine
     a = engine.add_request([1, 2], params(20))
     b = engine.add_request([3, 4], params(20))
     c = engine.add_request([5, 6], params(2))
     engine.step()
-    assert engine.cache.num_free_rows == 0
+    assert set(engine.blocks.tables) == {a, b}
     engine.abort_request(a)
-    assert engine.cache.num_free_rows == 1 and engine.get_sequence(a) is None
+    assert set(engine.blocks.tables) == {b} and engine.get_sequence(a) is None
     engine.step()
     assert {s.request_id for s in engine.scheduler.running} == {b, c}
     engine.abort_request(b)
     engine.abort_request(c)
-    assert engine.cache.num_free_rows == 2 and not engine.has_unfinished_requests()
+    assert engine.blocks.pool.num_used == 0 and not engine.has_unfinished_requests()
 
 
 @settings(max_examples=25, deadline=None)
 @given(ops=st.lists(st.one_of(
-    st.tuples(st.just("add"), st.integers(1, 20), st.integers(1, 12)),
+    st.tuples(st.just("add"), st.integers(1, 20), st.integers(1, 12), st.integers(0, 2)),
     st.tuples(st.just("abort"), st.integers(0, 30)),
     st.tuples(st.just("step"), st.integers(1, 3))), min_size=1, max_size=25))
 def test_invariants_under_random_operations(llm2, ops):
     engine = llm2.engine
-    live, done, aborted = {}, {}, set()
+    live, done = {}, {}
     for op in ops:
         if op[0] == "add":
-            _, prompt_len, max_tokens = op
-            rid = engine.add_request(list(range(1, prompt_len + 1)), params(max_tokens))
+            _, prompt_len, max_tokens, priority = op
+            rid = engine.add_request(list(range(1, prompt_len + 1)), params(max_tokens),
+                                     priority=priority)
             live[rid] = (prompt_len, max_tokens)
         elif op[0] == "abort" and live:
             rid = sorted(live)[op[1] % len(live)]
             engine.abort_request(rid)
-            aborted.add(rid)
             live.pop(rid)
         else:
             for _ in range(op[1]):
                 engine.step()
+        engine.blocks.check_invariants()
         running = engine.scheduler.running
-        rows = [s.cache_row for s in running if not s.is_finished]
-        assert len(rows) == len(set(rows))                                 # no row shared
-        assert len(running) + engine.cache.num_free_rows == engine.config.max_num_seqs
         assert len(running) <= engine.config.max_num_seqs
+        assert set(engine.blocks.tables) == {s.request_id for s in running}
         for rid in [r for r in live if engine.get_sequence(r).is_finished]:
             done[rid] = live.pop(rid)
     while engine.has_unfinished_requests():
@@ -92,5 +93,5 @@ def test_invariants_under_random_operations(llm2, ops):
     for rid, (prompt_len, max_tokens) in done.items():  # no request lost, each got what it asked
         out = engine.pop_output(rid)
         assert len(out.outputs[0].token_ids) == min(max_tokens, 64 - prompt_len)
-    assert engine.cache.num_free_rows == engine.config.max_num_seqs
+    assert engine.blocks.pool.num_used == 0
     assert not engine._sequences

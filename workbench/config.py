@@ -15,8 +15,10 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float3
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch")
-# The KV cache reserves max_model_len slots for every sequence slot (max_num_seqs), so the default
-# context is capped: SmolLM2's full 8192 tokens x 8 sequences would reserve 1.5 GB in bf16.
+PREEMPTION_MODES = ("recompute", "swap")
+KV_CACHE_LAYOUTS = ("paged", "contiguous")
+# The default KV budget holds max_num_seqs full contexts, so the default context is capped:
+# SmolLM2's full 8192 tokens x 8 sequences would take 1.5 GB in bf16.
 DEFAULT_MAX_MODEL_LEN = 1024
 
 
@@ -75,10 +77,19 @@ class EngineConfig:
     device: str = "auto"
     max_model_len: int | None = None     # None: the model's context, capped at DEFAULT_MAX_MODEL_LEN
     max_num_seqs: int = 8                # sequences decoded together in one step
-    max_num_batched_tokens: int = 2048   # tokens (prefill + decode) in one forward pass
+    max_num_batched_tokens: int = 512    # tokens (prefill chunks + decodes) in one forward pass
     attention_backend: str = "auto"
     seed: int = 0
     num_threads: int | None = None       # CPU threads for torch; None leaves torch's choice
+    # The paged KV cache.
+    block_size: int = 16                 # tokens per KV block
+    num_kv_blocks: int | None = None     # size of the pool in blocks, or
+    kv_cache_memory: int | None = None   # its size in bytes; neither: max_num_seqs full contexts
+    kv_cache_layout: str = "paged"       # "contiguous" reserves max_model_len per sequence
+    enable_prefix_caching: bool = False
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"   # or "swap" (to CPU memory)
+    swap_space: int | None = None        # bytes of CPU memory for swapped blocks (default: pool size)
 
     def __post_init__(self) -> None:
         self.torch_device = resolve_device(self.device)
@@ -94,14 +105,43 @@ class EngineConfig:
             _positive_int("num_threads", self.num_threads)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r} is invalid: it must be an integer")
+        _positive_int("block_size", self.block_size)
+        if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
+            raise ValueError("num_kv_blocks and kv_cache_memory are both set: give one of them")
+        if self.num_kv_blocks is not None:
+            _positive_int("num_kv_blocks", self.num_kv_blocks)
+        if self.kv_cache_memory is not None:
+            _positive_int("kv_cache_memory", self.kv_cache_memory)
+        if self.swap_space is not None:
+            _positive_int("swap_space", self.swap_space, 0)
+        for name, allowed in (("kv_cache_layout", KV_CACHE_LAYOUTS),
+                              ("preemption_mode", PREEMPTION_MODES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: allowed values are "
+                                 + ", ".join(allowed))
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: it must be a bool")
 
-    def finalize(self, model_max_len: int) -> None:
-        """Clamp to the model's context once it is known."""
+    def finalize(self, model_max_len: int, kv_bytes_per_token: int) -> None:
+        """Clamp to the model's context and size the KV pool, once both are known."""
         if self.max_model_len is None:
             self.max_model_len = min(model_max_len, DEFAULT_MAX_MODEL_LEN)
         elif self.max_model_len > model_max_len:
             raise ValueError(f"max_model_len={self.max_model_len} is invalid: the model's context "
                              f"is {model_max_len} tokens")
-        if self.max_num_batched_tokens < self.max_model_len:
-            # Without chunked prefill a prompt must fit in one step.
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # Without chunked prefill a whole prompt must fit in one step.
             self.max_num_batched_tokens = self.max_model_len
+        block_bytes = kv_bytes_per_token * self.block_size
+        if self.kv_cache_memory is not None:
+            self.num_kv_blocks = self.kv_cache_memory // block_bytes
+            if self.num_kv_blocks < 1:
+                raise ValueError(f"kv_cache_memory={self.kv_cache_memory} is invalid: one block of "
+                                 f"{self.block_size} tokens needs {block_bytes} bytes")
+        elif self.num_kv_blocks is None:
+            self.num_kv_blocks = self.max_num_seqs * -(-self.max_model_len // self.block_size)
+        if self.swap_space is None:
+            self.num_cpu_blocks = self.num_kv_blocks if self.preemption_mode == "swap" else 0
+        else:
+            self.num_cpu_blocks = self.swap_space // block_bytes

@@ -1,11 +1,13 @@
 """LLMEngine: the step loop. One step = schedule, run the model, sample, process outputs.
 
-    batch  = scheduler.schedule()          which sequences run, how many tokens each
+    batch  = scheduler.schedule()          which sequences run, how many tokens each (and which
+                                           blocks they hold, after any preemption or swap)
+    runner.apply_block_ops(...)            swap-out, swap-in and copy-on-write block copies
     inputs = runner.prepare(batch)         packed token ids, positions, attention metadata
     logits = runner.forward(inputs)        one forward pass for the whole batch
-    tokens = sampler(logits)               one new token per sequence
+    tokens = sampler(logits)               one new token per sequence that finished its prompt
     output_processor.append_token(...)     detokenize, check stop conditions, finish
-    scheduler.free_finished()              finished sequences give their cache back at once
+    scheduler.free_finished()              finished sequences give their blocks back at once
 
 Every step leaves a StepRecord in `self.trace`. Requests are validated in `add_request` before
 anything is queued, so a bad request raises a ValueError and leaves the engine as it was.
@@ -20,7 +22,8 @@ import torch
 
 from .attention import get_attention_backend
 from .config import EngineConfig
-from .kv.contiguous_cache import ContiguousKVCache
+from .kv.block_manager import BlockManager
+from .kv.paged_cache import PagedKVCache
 from .models.loader import load_model, load_tokenizer, read_args, resolve_checkpoint
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
@@ -39,15 +42,20 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.checkpoint = resolve_checkpoint(config.model)
         self.model_args = read_args(self.checkpoint)
-        config.finalize(self.model_args.max_position_embeddings)
         self.device, self.dtype = config.torch_device, config.torch_dtype
+        config.finalize(self.model_args.max_position_embeddings,
+                        self.model_args.kv_bytes_per_token(self.dtype))
         self.model = load_model(self.checkpoint, self.dtype, self.device, config.max_model_len)
         self.tokenizer = load_tokenizer(self.checkpoint)
-        self.cache = ContiguousKVCache(self.model_args, config.max_num_seqs, config.max_model_len,
-                                       self.dtype, self.device)
+        self.blocks = BlockManager(
+            config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+            num_cpu_blocks=config.num_cpu_blocks,
+            reserve_tokens=config.max_model_len if config.kv_cache_layout == "contiguous" else None)
+        self.cache = PagedKVCache(self.model_args, config.num_kv_blocks, config.block_size,
+                                  self.dtype, self.device, config.num_cpu_blocks)
         self.backend = get_attention_backend(config.attention_backend, self.device)
-        self.scheduler = Scheduler(config, self.cache)
-        self.runner = ModelRunner(self.model, self.cache, self.backend, self.device)
+        self.scheduler = Scheduler(config, self.blocks)
+        self.runner = ModelRunner(self.model, self.cache, self.blocks, self.backend, self.device)
         self.sampler = Sampler(config.seed)
         self.output_processor = OutputProcessor(self.tokenizer, self._eos_token_ids(),
                                                 config.max_model_len)
@@ -98,7 +106,7 @@ class LLMEngine:
                          "token ids (int)")
 
     def add_request(self, prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, priority: int = 0) -> str:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params={params!r:.60} is invalid: pass a SamplingParams")
@@ -109,17 +117,28 @@ class LLMEngine:
         if len(ids) >= limit:
             raise ValueError(f"prompt is too long: {len(ids)} tokens, but max_model_len={limit} "
                              "must hold the prompt and at least one generated token")
+        pool_tokens = self.config.num_kv_blocks * self.config.block_size
+        needed = max(len(ids) + 1, limit if self.config.kv_cache_layout == "contiguous" else 0)
+        if needed > pool_tokens:
+            raise ValueError(f"prompt is too long for the KV cache: it needs {needed} token slots, "
+                             f"and the pool holds {pool_tokens} (num_kv_blocks="
+                             f"{self.config.num_kv_blocks} x block_size={self.config.block_size})")
         if params.stop_list and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none; "
                              "use stop_token_ids")
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         if request_id in self._sequences:
             raise ValueError(f"request_id={request_id!r} is invalid: it is already in use")
-        seq = Sequence(request_id, text, ids, params)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority={priority!r} is invalid: it must be an integer "
+                             "(lower values are served first)")
+        seq = Sequence(request_id, text, ids, params, priority=priority)
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)
         if params.logprobs is not None:
             seq.logprobs = []
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]  # nothing predicts the first prompt token
         self._sequences[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -143,42 +162,55 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------- the step
     def step(self) -> list[Sequence]:
-        """Run one iteration; returns the sequences that received a token in it."""
+        """Run one iteration; returns the sequences that were scheduled in it."""
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
+        ops = self.blocks.take_ops()
         if batch.empty:
-            return []
+            finished = self.scheduler.free_finished()  # sequences ended for length, if any
+            return finished
         t1 = time.perf_counter()
+        self.runner.apply_block_ops(ops)
         input_ids, positions, meta = self.runner.prepare(batch)
         t2 = time.perf_counter()
         out = self.runner.forward(input_ids, positions, meta, batch)
         t3 = time.perf_counter()
-        sample = self.sampler(out.logits, [s.params for s in batch.seqs],
-                              [s.generator for s in batch.seqs])
+        sampled = [batch.seqs[i] for i in out.sample_indices]
+        sample = self.sampler(out.logits, [s.params for s in sampled],
+                              [s.generator for s in sampled]) if sampled else None
         t4 = time.perf_counter()
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             if i in out.prompt_logprobs:
-                self._fill_prompt_logprobs(seq, out.prompt_logprobs[i])
+                self._extend_prompt_logprobs(seq, *out.prompt_logprobs[i])
             seq.num_computed_tokens += n
-            self.output_processor.append_token(seq, sample.token_ids[i], sample.logprobs[i])
+            self.blocks.index_full_blocks(seq.request_id, seq.all_token_ids,
+                                          seq.num_computed_tokens)
+        for j, seq in enumerate(sampled):
+            self.output_processor.append_token(seq, sample.token_ids[j], sample.logprobs[j])
         finished = self.scheduler.free_finished()
         t5 = time.perf_counter()
+        pool = self.blocks.pool
         self.trace.append(StepRecord(
             step=len(self.trace), num_seqs=len(batch.seqs),
             num_prefill_tokens=batch.num_prefill_tokens,
             num_decode_tokens=batch.num_decode_tokens,
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
             kv_tokens_used=sum(s.num_computed_tokens for s in self.scheduler.running),
-            kv_tokens_reserved=len(self.scheduler.running) * self.config.max_model_len,
-            kv_tokens_total=self.cache.num_slots, num_finished=len(finished),
+            blocks_used=pool.num_used, blocks_cached=pool.num_cached, blocks_free=pool.num_free,
+            blocks_total=pool.num_blocks, block_size=self.blocks.block_size,
+            num_preempted=len(batch.preempted), blocks_swapped_out=len(ops.swap_out),
+            blocks_swapped_in=len(ops.swap_in), blocks_copied=len(ops.copy),
+            prefix_hit_tokens=batch.prefix_hit_tokens,
+            scheduled=[(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)],
+            preempted=[s.request_id for s in batch.preempted],
+            finished=[s.request_id for s in finished],
             schedule_s=t1 - t0, prepare_s=t2 - t1, forward_s=t3 - t2, sample_s=t4 - t3,
             postprocess_s=t5 - t4, total_s=t5 - t0))
         return batch.seqs
 
-    def _fill_prompt_logprobs(self, seq: Sequence, logprobs: torch.Tensor) -> None:
+    def _extend_prompt_logprobs(self, seq: Sequence, first: int, logprobs: torch.Tensor) -> None:
         n_top = seq.params.prompt_logprobs
-        entries: list = [None]  # nothing predicts the first prompt token
-        for j, token in enumerate(seq.prompt_token_ids[1:]):
-            info = top_logprobs(logprobs[j], token, n_top)
-            entries.append(self.output_processor.logprob_dict(token, info))
-        seq.prompt_logprobs = entries
+        for k in range(logprobs.shape[0]):
+            token = seq.prompt_token_ids[first + k + 1]
+            info = top_logprobs(logprobs[k], token, n_top)
+            seq.prompt_logprobs.append(self.output_processor.logprob_dict(token, info))

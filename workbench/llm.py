@@ -48,7 +48,9 @@ class LLM:
         return (f"[workbench] {e.config.model}: {e.model.num_parameters() / 1e6:.1f}M parameters "
                 f"on {e.device.type}{how}, {dtype}, attention={e.backend.name}, "
                 f"max_model_len={e.config.max_model_len}, max_num_seqs={e.config.max_num_seqs}, "
-                f"KV cache {e.cache.total_bytes / 2**20:.0f} MiB")
+                f"KV cache {e.cache.total_bytes / 2**20:.0f} MiB = {e.cache.num_slots} tokens "
+                f"({e.config.num_kv_blocks} blocks of {e.config.block_size}, "
+                f"{e.config.kv_cache_layout})")
 
     @property
     def trace(self):
@@ -75,14 +77,18 @@ class LLM:
             self.engine.tokenize(p)
         return prompts, params
 
-    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """Generate for a prompt or a list of prompts (str or token-id lists), in input order."""
+    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 priority: Seq[int] | None = None) -> list[RequestOutput]:
+        """Generate for a prompt or a list of prompts (str or token-id lists), in input order.
+        `priority`: one integer per prompt, lower served first (admission and preemption)."""
         prompts, params = self._normalize(prompts, sampling_params)
+        priority = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, p))
+            for prompt, p, prio in zip(prompts, params, priority):
+                ids.append(self.engine.add_request(prompt, p, priority=prio))
             while any(not self.engine.get_sequence(r).is_finished for r in ids):
                 self.engine.step()
             return [self.engine.pop_output(r) for r in ids]

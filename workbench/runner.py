@@ -1,10 +1,11 @@
-"""ModelRunner: turns a ScheduledBatch into one packed forward pass and one row of logits per sequence.
+"""ModelRunner: turns a ScheduledBatch into one packed forward pass and the logits to sample from.
 
-For each scheduled sequence it takes the tokens that are not in the cache yet, their absolute
-positions, and the cache slots they will be written to; it concatenates them across sequences and
-builds the AttentionMetadata that tells attention where each sequence starts and where its past keys
-live. Only the last position of each sequence goes through the LM head (the head is the largest
-matmul of a small model), except for requests that asked for prompt logprobs.
+For each scheduled sequence it takes the tokens that are not in the cache yet (a whole prompt, a
+chunk of one, or the last sampled token), their absolute positions, and the cache slots they will be
+written to (from the sequence's block table); it concatenates them across sequences and builds the
+AttentionMetadata. Only sequences whose last uncomputed token is in this step get a row of logits
+(a sequence in the middle of a chunked prompt has nothing to sample yet), and only that last
+position goes through the LM head, except for requests that asked for prompt logprobs.
 """
 from __future__ import annotations
 
@@ -13,55 +14,73 @@ from dataclasses import dataclass
 import torch
 
 from .attention.metadata import AttentionMetadata
-from .kv.contiguous_cache import ContiguousKVCache
+from .kv.block_manager import BlockManager, BlockOps
+from .kv.paged_cache import PagedKVCache
 from .models.llama import LlamaModel
 from .scheduler import ScheduledBatch
 
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor                          # (num_seqs, vocab) fp32, at each last position
-    prompt_logprobs: dict[int, torch.Tensor]      # seq index -> (n_prompt - 1, vocab) log-probs
+    sample_indices: list[int]                 # which of batch.seqs get a token this step
+    logits: torch.Tensor                      # (len(sample_indices), vocab) fp32
+    prompt_logprobs: dict[int, tuple[int, torch.Tensor]]  # seq index -> (first position, rows)
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: ContiguousKVCache, backend,
+    def __init__(self, model: LlamaModel, cache: PagedKVCache, blocks: BlockManager, backend,
                  device: torch.device):
-        self.model, self.cache, self.backend, self.device = model, cache, backend, device
+        self.model, self.cache, self.blocks = model, cache, blocks
+        self.backend, self.device = backend, device
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        ids, positions, slots, q_lens, seq_lens = [], [], [], [], []
+        ids, positions, q_lens, seq_lens = [], [], [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
             ids.extend(seq.token_slice(start, start + n))
             positions.extend(range(start, start + n))
-            slots.append(self.cache.slots(seq.cache_row, start, start + n))
             q_lens.append(n)
             seq_lens.append(start + n)
-        dev = self.device
-        query_start_loc = torch.tensor([0] + q_lens, device=dev).cumsum(0)
-        rows = torch.tensor([s.cache_row for s in batch.seqs], device=dev)
+        dev, bs = self.device, self.blocks.block_size
+        tables = [self.blocks.tables[s.request_id] for s in batch.seqs]
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
         max_seq_len = max(seq_lens)
-        # A row's slots are contiguous, so position p of the sequence in row r is slot r * L + p.
-        # Positions past a sequence's length point at its own (unused) slots and are masked.
-        slot_table = rows[:, None] * self.cache.max_model_len + torch.arange(max_seq_len, device=dev)
+        # slot of position p = block_table[p // block_size] * block_size + p % block_size
+        pos = torch.arange(max_seq_len, device=dev)
+        slot_table = block_tables[:, pos // bs] * bs + pos % bs
+        positions_t = torch.tensor(positions, device=dev)
+        seq_index = torch.repeat_interleave(torch.arange(len(q_lens), device=dev),
+                                            torch.tensor(q_lens, device=dev))
+        slot_mapping = slot_table[seq_index, positions_t]
         meta = AttentionMetadata(
-            query_start_loc=query_start_loc, seq_lens=torch.tensor(seq_lens, device=dev),
-            slot_mapping=torch.cat(slots), slot_table=slot_table, max_query_len=max(q_lens),
-            max_seq_len=max_seq_len, query_lens=q_lens, seq_lens_list=seq_lens)
-        return (torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta)
+            query_start_loc=torch.tensor([0] + q_lens, device=dev).cumsum(0),
+            seq_lens=torch.tensor(seq_lens, device=dev), slot_mapping=slot_mapping,
+            slot_table=slot_table, max_query_len=max(q_lens), max_seq_len=max_seq_len,
+            query_lens=q_lens, seq_lens_list=seq_lens, block_tables=block_tables, block_size=bs)
+        return torch.tensor(ids, device=dev), positions_t, meta
+
+    def apply_block_ops(self, ops: BlockOps) -> None:
+        if ops:
+            self.cache.apply(ops)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 batch: ScheduledBatch) -> ForwardOutput:
         hidden = self.model(input_ids, positions, self.cache.kv_caches, meta, self.backend)
-        last = meta.query_start_loc[1:] - 1
-        logits = self.model.compute_logits(hidden[last])
+        ends = meta.query_start_loc[1:].tolist()
+        sample = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+                  if seq.num_computed_tokens + n == seq.num_tokens]
+        logits = self.model.compute_logits(hidden[[ends[i] - 1 for i in sample]])
         prompt_lps = {}
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            if seq.params.prompt_logprobs is not None and seq.num_computed_tokens == 0:
-                start = int(meta.query_start_loc[i])
-                # Position j predicts token j + 1: n - 1 rows cover prompt tokens 1..n-1.
-                rows = self.model.compute_logits(hidden[start:start + n - 1])
-                prompt_lps[i] = torch.log_softmax(rows, dim=-1)
-        return ForwardOutput(logits, prompt_lps)
+            if seq.params.prompt_logprobs is None or seq.prompt_logprobs_done:
+                continue
+            # Position j predicts prompt token j + 1; continue where the last chunk stopped.
+            first = len(seq.prompt_logprobs or [None]) - 1
+            last = min(seq.num_computed_tokens + n, seq.num_prompt_tokens - 1)
+            if last > first:
+                row0 = ends[i] - n + (first - seq.num_computed_tokens)
+                rows = self.model.compute_logits(hidden[row0:row0 + last - first])
+                prompt_lps[i] = (first, torch.log_softmax(rows, dim=-1))
+        return ForwardOutput(sample, logits, prompt_lps)

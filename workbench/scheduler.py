@@ -1,29 +1,41 @@
 """Scheduler: each step, decide which sequences run and how many new tokens each gets.
 
-Iteration-level (continuous) batching, first come first served:
-1. every running sequence gets its next token (decode, 1 token each);
-2. waiting requests join, oldest first, while there is a free sequence slot (`max_num_seqs`), a free
-   KV cache row, and room in the token budget (`max_num_batched_tokens`) for the whole prompt.
-Prefills and decodes therefore share a step, and a finished sequence frees its slot at once, so the
-next waiting request joins in the very next step instead of waiting for the whole batch to drain.
+Iteration-level (continuous) batching with a token budget, as in vLLM's v1 scheduler. There is no
+separate "prefill phase": every sequence simply has tokens whose K/V are not cached yet (a whole
+prompt, a chunk of one, or the one token sampled last step), and each step hands out up to
+`max_num_batched_tokens` of them.
+
+1. Running sequences first, in priority order (lower `priority` value first, then arrival). Each
+   gets all its uncomputed tokens, or as many as the budget allows (chunked prefill). If the KV pool
+   cannot hold them, the lowest-priority running sequence is preempted (swapped to CPU memory, or
+   freed to be recomputed later) until it can; a sequence that cannot grow even alone ends with
+   finish_reason "length".
+2. Then, if nobody was preempted this step, waiting sequences join in priority order while there
+   is budget, a free sequence slot (`max_num_seqs`) and KV blocks: swapped ones are swapped back in;
+   new ones first reuse the blocks of any cached prefix (prefix caching).
+A sequence whose last prefill chunk ran gets a token sampled; one in the middle of its prompt
+does not.
 """
 from __future__ import annotations
 
+import bisect
 import time
-from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .config import EngineConfig
-from .kv.contiguous_cache import ContiguousKVCache
+from .kv.block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
 
 
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence]
-    num_new_tokens: list[int]   # tokens each sequence feeds through the model this step
-    num_prefill_tokens: int
-    num_decode_tokens: int
+    num_new_tokens: list[int]        # tokens each sequence feeds through the model this step
+    num_prefill_tokens: int          # prompt (or recomputed) tokens among them
+    num_decode_tokens: int           # one per sequence that is generating
+    preempted: list[Sequence] = field(default_factory=list)
+    swapped_in: list[Sequence] = field(default_factory=list)
+    prefix_hit_tokens: int = 0       # tokens new sequences took from the prefix cache this step
 
     @property
     def empty(self) -> bool:
@@ -31,59 +43,139 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, cache: ContiguousKVCache):
-        self.config, self.cache = config, cache
-        self.waiting: deque[Sequence] = deque()
+    def __init__(self, config: EngineConfig, blocks: BlockManager):
+        self.config, self.blocks = config, blocks
+        self.waiting: list[Sequence] = []   # sorted by sort_key; holds WAITING and SWAPPED
         self.running: list[Sequence] = []
+        self.ended: list[Sequence] = []     # finished by the scheduler itself ("length")
 
+    # ------------------------------------------------------------------ queues
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        keys = [s.sort_key for s in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, seq.sort_key), seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def abort(self, request_id: str) -> Sequence | None:
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self.blocks.free(request_id)
+                    return seq
+        return None
+
+    # ------------------------------------------------------------------ the decision
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
-        seqs, counts, decode_tokens = [], [], 0
-        for seq in self.running:
-            seqs.append(seq)
-            counts.append(seq.num_uncomputed_tokens)
-            decode_tokens += seq.num_uncomputed_tokens
-        budget -= decode_tokens
-        prefill_tokens = 0
-        while (self.waiting and len(self.running) < self.config.max_num_seqs
-               and self.cache.num_free_rows > 0
-               and self.waiting[0].num_uncomputed_tokens <= budget):
-            seq = self.waiting.popleft()
-            seq.cache_row = self.cache.allocate()
+        batch = ScheduledBatch([], [], 0, 0)
+        self.running.sort(key=lambda s: s.sort_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._tokens_for(seq, budget)
+            if n == 0:
+                i += 1
+                continue
+            while not self.blocks.allocate(seq.request_id, seq.num_computed_tokens, n):
+                if len(self.running) == 1:          # alone and still too big: it can never fit
+                    self._end_for_length(seq)
+                    break
+                victim = self.running.pop()         # lowest priority, latest arrival
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self._add(batch, seq, n)
+                budget -= n
+                i += 1
+        if not batch.preempted:
+            self._admit(batch, budget)
+        return batch
+
+    def _tokens_for(self, seq: Sequence, budget: int) -> int:
+        n = seq.num_uncomputed_tokens
+        if n <= budget:
+            return n
+        return budget if self.config.enable_chunked_prefill else 0
+
+    def _add(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(n)
+        if seq.num_computed_tokens >= seq.num_prompt_tokens and n == 1:
+            batch.num_decode_tokens += 1
+        else:
+            batch.num_prefill_tokens += n
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.status == SequenceStatus.SWAPPED:
+                n = self._tokens_for(seq, budget)
+                if n == 0 or not self.blocks.can_swap_in(seq.request_id,
+                                                         seq.num_computed_tokens + n):
+                    if not self.running and n > 0:   # even an empty pool cannot hold it
+                        self.waiting.pop(0)
+                        self._end_for_length(seq)
+                        continue
+                    break
+                self.blocks.swap_in(seq.request_id)
+                self.blocks.allocate(seq.request_id, seq.num_computed_tokens, n)
+                batch.swapped_in.append(seq)
+            else:
+                hits = [] if seq.params.prompt_logprobs is not None else \
+                    self.blocks.cached_prefix(seq.all_token_ids)
+                num_cached = len(hits) * self.blocks.block_size
+                seq.num_computed_tokens = num_cached
+                n = self._tokens_for(seq, budget)
+                if n == 0 or not self.blocks.allocate(seq.request_id, num_cached, n, hits):
+                    seq.num_computed_tokens = 0
+                    if not self.running and n > 0:   # even an empty pool cannot hold it
+                        self.waiting.pop(0)
+                        self._end_for_length(seq)
+                        continue
+                    break
+                self.blocks.record_lookup(seq.num_tokens, num_cached)
+                batch.prefix_hit_tokens += num_cached
+                if seq.first_scheduled_time is None:
+                    seq.first_scheduled_time = time.perf_counter()
+            self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
-            seq.first_scheduled_time = time.perf_counter()
             self.running.append(seq)
-            n = seq.num_uncomputed_tokens
-            seqs.append(seq)
-            counts.append(n)
-            prefill_tokens += n
+            self._add(batch, seq, n)
             budget -= n
-        return ScheduledBatch(seqs, counts, prefill_tokens, decode_tokens)
+
+    # ------------------------------------------------------------------ preemption and endings
+    def _preempt(self, seq: Sequence) -> None:
+        """Take the sequence's blocks away; it waits at the head of its priority class."""
+        seq.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and self.blocks.can_swap_out(seq.request_id):
+            self.blocks.swap_out(seq.request_id)
+            seq.status = SequenceStatus.SWAPPED
+        else:  # recompute: forget the K/V; prompt and generated tokens are prefilled again
+            self.blocks.free(seq.request_id)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+        self.add(seq)
+
+    def _end_for_length(self, seq: Sequence) -> None:
+        """The KV pool cannot hold this sequence any longer: end it as if it hit max_tokens."""
+        if seq in self.running:
+            self.running.remove(seq)
+        self.blocks.free(seq.request_id)
+        seq.finish_reason = "length"
+        seq.status = SequenceStatus.FINISHED
+        seq.finished_time = time.perf_counter()
+        self.ended.append(seq)
 
     def free_finished(self) -> list[Sequence]:
-        """Release the cache rows of sequences that finished this step."""
+        """Release the blocks of sequences that finished this step (and those ended above)."""
         done = [s for s in self.running if s.is_finished]
         for seq in done:
             self.running.remove(seq)
-            self.cache.free(seq.cache_row)
-            seq.cache_row = None
+            self.blocks.free(seq.request_id)
+        done += self.ended
+        self.ended = []
         return done
-
-    def abort(self, request_id: str) -> Sequence | None:
-        for seq in list(self.waiting):
-            if seq.request_id == request_id:
-                self.waiting.remove(seq)
-                return seq
-        for seq in self.running:
-            if seq.request_id == request_id:
-                self.running.remove(seq)
-                self.cache.free(seq.cache_row)
-                seq.cache_row = None
-                return seq
-        return None

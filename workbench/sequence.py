@@ -16,8 +16,9 @@ from .sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"      # queued, nothing in the cache yet
-    RUNNING = "running"      # holds cache space, gets tokens every step
+    WAITING = "waiting"      # queued; holds no blocks (new, or preempted to be recomputed)
+    RUNNING = "running"      # holds blocks, gets tokens every step
+    SWAPPED = "swapped"      # preempted; its blocks wait in CPU memory
     FINISHED = "finished"
 
 
@@ -30,7 +31,8 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
-    cache_row: int | None = None             # which cache reservation this sequence holds
+    priority: int = 0                         # lower runs first (vLLM's convention)
+    num_preemptions: int = 0
     generator: torch.Generator | None = None  # per-request RNG when a seed is given
     output_token_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -66,6 +68,16 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        return self.prompt_logprobs is not None and \
+            len(self.prompt_logprobs) >= self.num_prompt_tokens
+
+    @property
+    def sort_key(self) -> tuple[int, float]:
+        """Scheduling order: priority first, then arrival (first come, first served)."""
+        return (self.priority, self.arrival_time)
 
     @property
     def num_uncomputed_tokens(self) -> int:

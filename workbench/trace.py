@@ -4,30 +4,55 @@ Figures and metrics read these records; they never reach into the engine's inter
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
 class StepRecord:
     step: int
-    num_seqs: int            # sequences in this step's batch
-    num_prefill_tokens: int  # prompt tokens processed this step
-    num_decode_tokens: int   # generated tokens fed back this step (one per decoding sequence)
-    num_waiting: int         # requests still queued after scheduling
-    kv_tokens_used: int      # tokens whose K/V the cache holds after this step
-    kv_tokens_reserved: int  # slots held by running sequences (used + reserved but empty)
-    kv_tokens_total: int     # the cache's capacity in tokens
-    num_finished: int        # requests that finished in this step
-    schedule_s: float        # time spent choosing what runs
-    prepare_s: float         # building input tensors and metadata
-    forward_s: float         # the model's forward pass and the LM head
-    sample_s: float          # sampling
-    postprocess_s: float     # detokenization and stop checks
+    num_seqs: int              # sequences in this step's batch
+    num_prefill_tokens: int    # prompt (or recomputed) tokens processed this step
+    num_decode_tokens: int     # generated tokens fed back this step (one per decoding sequence)
+    num_waiting: int           # requests queued (new, preempted or swapped) after scheduling
+    num_running: int           # requests holding KV blocks after this step
+    kv_tokens_used: int        # tokens whose K/V the running sequences hold after this step
+    blocks_used: int           # blocks held by at least one sequence
+    blocks_cached: int         # unheld blocks kept for prefix reuse (evictable)
+    blocks_free: int
+    blocks_total: int
+    block_size: int
+    num_preempted: int         # sequences preempted while scheduling this step
+    blocks_swapped_out: int
+    blocks_swapped_in: int
+    blocks_copied: int         # copy-on-write copies
+    prefix_hit_tokens: int     # prompt tokens taken from the prefix cache this step
+    schedule_s: float          # time spent choosing what runs
+    prepare_s: float           # block copies, input tensors and metadata
+    forward_s: float           # the model's forward pass and the LM head
+    sample_s: float            # sampling
+    postprocess_s: float       # detokenization and stop checks
     total_s: float
+    scheduled: list[tuple[str, int]] = field(default_factory=list)  # (request id, tokens)
+    preempted: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def num_finished(self) -> int:
+        return len(self.finished)
+
+    @property
+    def kv_tokens_total(self) -> int:
+        """The pool's capacity in tokens."""
+        return self.blocks_total * self.block_size
+
+    @property
+    def kv_tokens_reserved(self) -> int:
+        """Token slots in blocks that sequences hold (used + the unfilled rest of their blocks)."""
+        return self.blocks_used * self.block_size
 
     def as_dict(self) -> dict:
         return asdict(self)

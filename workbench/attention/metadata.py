@@ -12,6 +12,10 @@ Example, two sequences: A is prefilling 3 prompt tokens, B is decoding its 6th t
     seq_lens           [3, 6]             tokens in the cache for each sequence after this step
     slot_mapping       [s_a0 s_a1 s_a2 s_b5]   where each new token's K/V is written
     slot_table         [[s_a0 s_a1 s_a2  .  .  .], [s_b0 ... s_b5]]   where to read them back
+
+With the paged cache, slot = block_table[position // block_size] * block_size + position % block_size.
+`slot_table` is that formula expanded for every position (what the plain-PyTorch backend gathers
+with); `block_tables` is the compact form that paged attention kernels read directly.
 """
 from __future__ import annotations
 
@@ -30,6 +34,8 @@ class AttentionMetadata:
     max_seq_len: int               # longest context in the batch
     query_lens: list[int]          # the same as query_start_loc, as Python ints (no device sync)
     seq_lens_list: list[int]
+    block_tables: torch.Tensor | None = None  # (num_seqs, max_blocks) int64, for paged kernels
+    block_size: int = 0
 
     @property
     def num_seqs(self) -> int:

@@ -1,5 +1,7 @@
-"""KV cache storage. `ContiguousKVCache` reserves a full context per sequence (the naive layout that
-the paged cache improves on)."""
-from .contiguous_cache import ContiguousKVCache
+"""The paged KV cache: `BlockPool` (blocks, reference counts, prefix index), `BlockManager`
+(block tables, prefix reuse, copy-on-write, swapping) and `PagedKVCache` (the tensors)."""
+from .block_manager import BlockManager, BlockOps, chain_hash
+from .block_pool import BlockPool
+from .paged_cache import PagedKVCache
 
-__all__ = ["ContiguousKVCache"]
+__all__ = ["BlockManager", "BlockOps", "BlockPool", "PagedKVCache", "chain_hash"]

@@ -1,0 +1,65 @@
+"""PagedKVCache: the tensors that hold keys and values, and the block copies the manager asks for.
+
+Per layer, K and V are each one flat tensor of `num_blocks * block_size` slots of shape
+(kv_heads, head_dim). Block b owns slots [b * block_size, (b + 1) * block_size). Attention backends
+see only slot numbers (or block tables), never the allocator. A second, smaller set of tensors in CPU
+memory receives swapped-out blocks.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..models.llama import LlamaArgs
+from .block_manager import BlockOps
+
+
+class PagedKVCache:
+    def __init__(self, args: LlamaArgs, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device, num_cpu_blocks: int = 0):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (num_blocks * block_size, args.num_key_value_heads, args.head_dim)
+        # torch.zeros, not empty: memory is committed now, so what the engine reports is real.
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                           torch.zeros(shape, dtype=dtype, device=device))
+                          for _ in range(args.num_hidden_layers)]
+        cpu_shape = (num_cpu_blocks * block_size,) + shape[1:]
+        pin = device.type == "cuda"
+        self.cpu_caches = [(torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
+                            torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin))
+                           for _ in range(args.num_hidden_layers)] if num_cpu_blocks else []
+        self.bytes_per_token = args.kv_bytes_per_token(dtype)
+        self.device = device
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_slots * self.bytes_per_token
+
+    def _slots(self, blocks: list[int], device) -> torch.Tensor:
+        base = torch.tensor(blocks, device=device)[:, None] * self.block_size
+        return (base + torch.arange(self.block_size, device=device)).flatten()
+
+    def apply(self, ops: BlockOps) -> None:
+        """Swap out, then swap in, then copy-on-write: a block swapped out this step may be
+        reused by a swap-in or a copy in the same step, so its old contents must leave first."""
+        if ops.swap_out:
+            src = self._slots([d for d, _ in ops.swap_out], self.device)
+            dst = self._slots([c for _, c in ops.swap_out], "cpu")
+            for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches):
+                ck[dst] = k[src].cpu()
+                cv[dst] = v[src].cpu()
+        if ops.swap_in:
+            src = self._slots([c for c, _ in ops.swap_in], "cpu")
+            dst = self._slots([d for _, d in ops.swap_in], self.device)
+            for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches):
+                k[dst] = ck[src].to(self.device)
+                v[dst] = cv[src].to(self.device)
+        if ops.copy:
+            src = self._slots([s for s, _ in ops.copy], self.device)
+            dst = self._slots([d for _, d in ops.copy], self.device)
+            for k, v in self.kv_caches:
+                k[dst] = k[src]
+                v[dst] = v[src]
