@@ -53,7 +53,7 @@ def build_batch(q_lens, ctx_lens, kv_heads, group, head_dim, seed):
 
 
 @settings(max_examples=40, deadline=None)
-@given(data=st.data(), num_seqs=st.integers(1, 4), group=st.sampled_from([1, 3, 8]),
+@given(data=st.data(), num_seqs=st.integers(1, 7), group=st.sampled_from([1, 3, 8]),
        kv_heads=st.integers(1, 2), seed=st.integers(0, 1000))
 def test_matches_hand_written_attention(data, num_seqs, group, kv_heads, seed):
     ctx_lens = [data.draw(st.integers(1, 40)) for _ in range(num_seqs)]
@@ -71,3 +71,17 @@ def test_matches_hand_written_attention(data, num_seqs, group, kv_heads, seed):
         torch.testing.assert_close(out[start:start + n].view_as(expected), expected,
                                    atol=1e-5, rtol=1e-5)
         start += n
+
+
+@settings(max_examples=100, deadline=None)
+@given(lengths=st.lists(st.integers(1, 600), min_size=1, max_size=40))
+def test_length_groups_partition_the_batch_and_never_pad_more_than_one_group(lengths):
+    from workbench.attention.torch_backend import GROUP_OVERHEAD_TOKENS, MAX_GROUPS, \
+        split_by_length
+    groups = split_by_length(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert 1 <= len(groups) <= MAX_GROUPS
+
+    def cost(gs):
+        return sum(max(lengths[i] for i in g) * len(g) + GROUP_OVERHEAD_TOKENS for g in gs)
+    assert cost(groups) <= cost([list(range(len(lengths)))])

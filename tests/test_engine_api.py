@@ -154,3 +154,16 @@ def test_chat_applies_the_template(tiny_llm):
     with pytest.raises(ValueError, match=r"messages\[0\]"):
         tiny_llm.chat([{"role": "user"}], GREEDY)
     assert_engine_idle(tiny_llm)
+
+
+def test_stats_report_capacity_and_prefix_hits(tiny_folder):
+    llm = LLM(model=str(tiny_folder), dtype="float32", device="cpu", verbose=False,
+              max_model_len=64, block_size=4, num_kv_blocks=10, enable_prefix_caching=True)
+    prompt = list(range(10, 30))                     # 20 tokens: 4 full blocks reusable
+    llm.generate([prompt], GREEDY)
+    llm.generate([prompt], GREEDY)
+    s = llm.stats()
+    assert (s["blocks_total"], s["token_capacity"], s["blocks_used"]) == (10, 40, 0)
+    assert s["prefix_cache_queries"] == 40 and s["prefix_cache_hits"] == 16
+    assert s["prefix_cache_hit_rate"] == 16 / 40
+    assert s["blocks_cached"] + s["blocks_free"] == 10

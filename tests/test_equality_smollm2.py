@@ -48,3 +48,24 @@ def test_next_token_logits_match_transformers_in_fp32(smollm2_llm, hf):
             theirs = hf(torch.tensor([ids])).logits[0, -1].float()
         torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-4)
         assert ours.argmax() == theirs.argmax()
+
+
+def test_paged_engine_under_pressure_matches_transformers(smollm2_folder, hf):
+    """The real model through everything at once: a shared chat system prompt (prefix caching),
+    prompts split into 24-token chunks, and a pool too small for all of them (swap preemption)."""
+    from workbench import LLM
+    llm = LLM(model="smollm2-135m", dtype="float32", device="cpu", verbose=False,
+              max_model_len=256, max_num_seqs=4, block_size=8, num_kv_blocks=12,
+              max_num_batched_tokens=24, enable_prefix_caching=True, preemption_mode="swap")
+    system = {"role": "system", "content": "You are a concise assistant. Answer in one sentence."}
+    questions = ["What is a cache?", "Why is the sky blue?", "Name a prime number.",
+                 "What does a compiler do?"]
+    prompts = [llm.apply_chat_template([system, {"role": "user", "content": q}])
+               for q in questions]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24)
+    trace = llm.trace
+    assert sum(r.prefix_hit_tokens for r in trace) > 0
+    assert sum(r.num_preempted for r in trace) > 0
+    assert max(r.num_prefill_tokens for r in trace) <= 24

@@ -56,6 +56,19 @@ class LLM:
     def trace(self):
         return self.engine.trace
 
+    def stats(self) -> dict:
+        """The KV cache right now and since the engine started (prefix hit rate, evictions,
+        preemptions). Per-step figures are in `trace`."""
+        blocks, pool = self.engine.blocks, self.engine.blocks.pool
+        return {"block_size": blocks.block_size, "blocks_total": pool.num_blocks,
+                "blocks_used": pool.num_used, "blocks_cached": pool.num_cached,
+                "blocks_free": pool.num_free, "token_capacity": pool.num_blocks * blocks.block_size,
+                "kv_cache_bytes": self.engine.cache.total_bytes,
+                "prefix_cache_queries": blocks.prefix_queries,
+                "prefix_cache_hits": blocks.prefix_hits, "prefix_cache_hit_rate": blocks.hit_rate,
+                "evictions": pool.num_evictions,
+                "preemptions": sum(r.num_preempted for r in self.engine.trace)}
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -1,4 +1,9 @@
-"""python -m workbench.bench [single-stream] [--dtypes float32 bfloat16] [--repeats 3] [--json F]"""
+"""python -m workbench.bench [single-stream|offline-mixed] [--dtypes ...] [--repeats N] [--json F]
+
+single-stream: batch 1 decode speed and achieved bandwidth vs transformers' generate().
+offline-mixed: throughput on 64 mixed-length requests vs transformers in static batches of 8,
+               and the KV capacity of paging vs contiguous reservation.
+"""
 from __future__ import annotations
 
 import argparse
@@ -8,23 +13,32 @@ import platform
 
 import torch
 
-from . import single_stream
+from . import offline_mixed, single_stream
 
-WORKLOADS = {"single-stream": single_stream}
+WORKLOADS = {"single-stream": single_stream, "offline-mixed": offline_mixed}
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m workbench.bench", description=__doc__)
     ap.add_argument("workload", nargs="?", default="single-stream", choices=sorted(WORKLOADS))
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtypes", nargs="+", default=None,
+                    help="default: float32 and bfloat16 (single-stream), bfloat16 (offline-mixed)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="alternating pairs; default 3 (single-stream), 1 (offline-mixed)")
+    ap.add_argument("--num-requests", type=int, default=64, help="offline-mixed only")
     ap.add_argument("--new-tokens", type=int, default=single_stream.NEW_TOKENS)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--json", help="also write the results to this JSON file")
     args = ap.parse_args(argv)
     module = WORKLOADS[args.workload]
-    result = module.run(dtypes=args.dtypes, repeats=args.repeats, new_tokens=args.new_tokens,
-                        model=args.model)
+    kwargs = {"model": args.model, "new_tokens": args.new_tokens}
+    if args.workload == "offline-mixed":
+        kwargs["num_requests"] = args.num_requests
+    if args.dtypes:
+        kwargs["dtypes"] = args.dtypes
+    if args.repeats:
+        kwargs["repeats"] = args.repeats
+    result = module.run(**kwargs)
     result["date"] = datetime.datetime.now().isoformat(timespec="seconds")
     result["machine"] = {"processor": platform.processor() or platform.machine(),
                          "torch": torch.__version__, "python": platform.python_version()}

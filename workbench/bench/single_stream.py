@@ -49,7 +49,7 @@ def hf_once(model, prompt_ids: list[int], new_tokens: int) -> dict:
 
 
 def run(dtypes=("float32", "bfloat16"), repeats: int = 3, new_tokens: int = NEW_TOKENS,
-        model: str = "smollm2-135m") -> dict:
+        model: str = "smollm2-135m", **_) -> dict:
     from transformers import AutoModelForCausalLM
     bandwidth = copy_bandwidth()
     results = {"workload": "single-stream", "new_tokens": new_tokens, "repeats": repeats,
