@@ -107,3 +107,12 @@ def test_invariants_under_random_operations(tight, ops):
     assert engine.blocks.pool.num_used == 0
     assert engine.blocks.cpu_pool is None or engine.blocks.cpu_pool.num_used == 0
     assert not engine._sequences
+
+
+def test_block_tables_can_be_recorded_per_step(tiny_folder):
+    llm = LLM(model=str(tiny_folder), dtype="float32", device="cpu", verbose=False,
+              max_model_len=64, block_size=4, num_kv_blocks=8, record_block_tables=True)
+    llm.generate([[1, 2, 3, 4, 5], [6, 7]], params(4))
+    tables = [r.block_tables for r in llm.trace]
+    assert tables[0] == {"0": [0, 1], "1": [2]}
+    assert tables[-1] == {}  # both finished in the last step and gave their blocks back

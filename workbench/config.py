@@ -90,6 +90,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"   # or "swap" (to CPU memory)
     swap_space: int | None = None        # bytes of CPU memory for swapped blocks (default: pool size)
+    record_block_tables: bool = False    # copy every sequence's block table into each StepRecord
 
     def __post_init__(self) -> None:
         self.torch_device = resolve_device(self.device)

@@ -204,6 +204,8 @@ class LLMEngine:
             scheduled=[(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)],
             preempted=[s.request_id for s in batch.preempted],
             finished=[s.request_id for s in finished],
+            block_tables={r: list(t) for r, t in self.blocks.tables.items()}
+            if self.config.record_block_tables else None,
             schedule_s=t1 - t0, prepare_s=t2 - t1, forward_s=t3 - t2, sample_s=t4 - t3,
             postprocess_s=t5 - t4, total_s=t5 - t0))
         return batch.seqs

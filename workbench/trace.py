@@ -35,6 +35,8 @@ class StepRecord:
     scheduled: list[tuple[str, int]] = field(default_factory=list)  # (request id, tokens)
     preempted: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
+    # With EngineConfig.record_block_tables: request id -> its block ids after this step.
+    block_tables: dict[str, list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:
