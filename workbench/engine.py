@@ -174,6 +174,8 @@ class LLMEngine:
         input_ids, positions, meta = self.runner.prepare(batch)
         t2 = time.perf_counter()
         out = self.runner.forward(input_ids, positions, meta, batch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # else forward_s would time only the kernel launches
         t3 = time.perf_counter()
         sampled = [batch.seqs[i] for i in out.sample_indices]
         sample = self.sampler(out.logits, [s.params for s in sampled],

@@ -116,48 +116,63 @@ def read_args(folder: Path) -> LlamaArgs:
     return LlamaArgs.from_hf_config(json.loads((folder / "config.json").read_text()))
 
 
-def _fused_state_dict(hf_state: dict[str, torch.Tensor], args: LlamaArgs) -> dict:
-    """Rename transformers' tensors to ours and concatenate q/k/v and gate/up."""
-    out = {}
-    for name, tensor in hf_state.items():
-        name = name.removeprefix("model.")
-        if ".self_attn.q_proj." in name or ".mlp.gate_proj." in name:
-            continue  # handled together with their partners below
-        if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name or ".mlp.up_proj." in name:
-            continue
-        out[name] = tensor
-    for i in range(args.num_hidden_layers):
-        p = f"model.layers.{i}."
-        out[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
-            [hf_state[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
-        out[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
-            [hf_state[p + "mlp.gate_proj.weight"], hf_state[p + "mlp.up_proj.weight"]])
-    if args.tie_word_embeddings:
-        out.pop("lm_head.weight", None)
-    return out
+FUSED = {"self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+         "self_attn.v_proj": ("self_attn.qkv_proj", 2), "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+         "mlp.up_proj": ("mlp.gate_up_proj", 1)}
 
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device,
                max_positions: int | None = None) -> LlamaModel:
-    """Build the model without initializing it (meta device), then fill in the checkpoint."""
-    from safetensors.torch import load_file
+    """Build the model without initializing it (meta device), then fill in the checkpoint one
+    tensor at a time, cast to `dtype` as it is read: peak memory stays near the final model's
+    size plus one fp32 tensor. transformers' q/k/v and gate/up tensors are written straight into
+    their slices of our fused `qkv_proj` and `gate_up_proj`."""
+    from safetensors import safe_open
     args = read_args(folder)
     with torch.device("meta"):
         model = LlamaModel(args, max_positions)
-    hf_state = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        hf_state.update(load_file(str(f)))
-    state = _fused_state_dict(hf_state, args)
     model.to_empty(device=device)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (args.tie_word_embeddings and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {folder} does not fit the Llama architecture: "
-                         f"missing {missing[:4]}, unexpected {unexpected[:4]}")
+    model.to(dtype)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    params = dict(model.named_parameters(remove_duplicate=False))
+    q, kv = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim
+    offsets = {"self_attn.qkv_proj": [0, q, q + kv], "mlp.gate_up_proj": [0, args.intermediate_size]}
+    filled = set()
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for hf_name in st.keys():
+                name = hf_name.removeprefix("model.")
+                if name == "lm_head.weight" and args.tie_word_embeddings:
+                    continue
+                tensor = st.get_tensor(hf_name)
+                key = next((k for k in FUSED if f".{k}." in name), None)
+                if key is not None:
+                    fused, part = FUSED[key]
+                    target_name = name.replace(key, fused)
+                    start = offsets[fused][part]
+                    params[target_name].data[start:start + tensor.shape[0]].copy_(tensor)
+                    filled.add(f"{target_name}#{part}")
+                elif name in params:
+                    params[name].data.copy_(tensor)
+                    filled.add(name)
+                else:
+                    raise ValueError(f"checkpoint {folder} does not fit the Llama architecture: "
+                                     f"unexpected tensor {hf_name}")
+                del tensor
+    expected = set()
+    for name in params:
+        if name == "lm_head.weight" and args.tie_word_embeddings:
+            continue
+        fused = next((f for f in offsets if f in name), None)
+        parts = range(len(offsets[fused])) if fused else [None]
+        expected |= {name if p is None else f"{name}#{p}" for p in parts}
+    missing = sorted(expected - filled)
+    if missing:
+        raise ValueError(f"checkpoint {folder} does not fit the Llama architecture: "
+                         f"missing {missing[:4]}")
     model.rotary.rebuild(device)
-    return model.to(dtype).eval()
+    return model.eval()
 
 
 def load_tokenizer(folder: Path):
