@@ -167,3 +167,15 @@ def test_stats_report_capacity_and_prefix_hits(tiny_folder):
     assert s["prefix_cache_queries"] == 40 and s["prefix_cache_hits"] == 16
     assert s["prefix_cache_hit_rate"] == 16 / 40
     assert s["blocks_cached"] + s["blocks_free"] == 10
+
+
+def test_arrival_time_counts_queueing_outside_the_engine(tiny_llm):
+    import time
+    engine = tiny_llm.engine
+    arrived = time.perf_counter() - 5.0     # the request waited 5 s before reaching the engine
+    rid = engine.add_request([1, 2, 3], GREEDY, arrival_time=arrived)
+    while engine.has_unfinished_requests():
+        engine.step()
+    out = engine.pop_output(rid)
+    assert out.metrics.ttft >= 5.0 and out.metrics.e2e_latency >= out.metrics.ttft
+    assert tiny_llm.trace[-1].sampled == [rid]

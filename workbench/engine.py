@@ -106,7 +106,10 @@ class LLMEngine:
                          "token ids (int)")
 
     def add_request(self, prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> str:
+                    request_id: str | None = None, priority: int = 0,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request. `arrival_time` (time.perf_counter seconds) is when the request reached
+        the system, if it waited outside the engine; TTFT and latency are measured from it."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params={params!r:.60} is invalid: pass a SamplingParams")
@@ -133,6 +136,8 @@ class LLMEngine:
             raise ValueError(f"priority={priority!r} is invalid: it must be an integer "
                              "(lower values are served first)")
         seq = Sequence(request_id, text, ids, params, priority=priority)
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)
         if params.logprobs is not None:
@@ -167,8 +172,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         ops = self.blocks.take_ops()
         if batch.empty:
-            finished = self.scheduler.free_finished()  # sequences ended for length, if any
-            return finished
+            self.scheduler.free_finished()  # sequences the scheduler ended for length, if any
+            return []
         t1 = time.perf_counter()
         self.runner.apply_block_ops(ops)
         input_ids, positions, meta = self.runner.prepare(batch)
@@ -205,6 +210,7 @@ class LLMEngine:
             prefix_hit_tokens=batch.prefix_hit_tokens,
             scheduled=[(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)],
             preempted=[s.request_id for s in batch.preempted],
+            sampled=[s.request_id for s in sampled],
             finished=[s.request_id for s in finished],
             block_tables={r: list(t) for r, t in self.blocks.tables.items()}
             if self.config.record_block_tables else None,

@@ -34,6 +34,7 @@ class StepRecord:
     total_s: float
     scheduled: list[tuple[str, int]] = field(default_factory=list)  # (request id, tokens)
     preempted: list[str] = field(default_factory=list)
+    sampled: list[str] = field(default_factory=list)   # requests that received a token
     finished: list[str] = field(default_factory=list)
     # With EngineConfig.record_block_tables: request id -> its block ids after this step.
     block_tables: dict[str, list[int]] | None = None

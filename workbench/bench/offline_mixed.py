@@ -54,8 +54,10 @@ def hf_static_run(model, requests, batch_size: int = 8, pad_id: int = 0) -> dict
     for i in range(0, len(requests), batch_size):
         chunk = requests[i:i + batch_size]
         width = max(len(p) for p, _ in chunk)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in chunk],
+                           device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk],
+                            device=model.device)
         longest = max(out for _, out in chunk)
         model.generate(ids, attention_mask=mask, max_new_tokens=longest, do_sample=False,
                        pad_token_id=pad_id)
