@@ -190,8 +190,9 @@ class LLMEngine:
             if i in out.prompt_logprobs:
                 self._extend_prompt_logprobs(seq, *out.prompt_logprobs[i])
             seq.num_computed_tokens += n
-            self.blocks.index_full_blocks(seq.request_id, seq.all_token_ids,
-                                          seq.num_computed_tokens)
+            if self.blocks.enable_prefix_caching:  # all_token_ids copies the sequence: skip it
+                self.blocks.index_full_blocks(seq.request_id, seq.all_token_ids,
+                                              seq.num_computed_tokens)
         for j, seq in enumerate(sampled):
             self.output_processor.append_token(seq, sample.token_ids[j], sample.logprobs[j])
         finished = self.scheduler.free_finished()

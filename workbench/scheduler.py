@@ -34,7 +34,6 @@ class ScheduledBatch:
     num_prefill_tokens: int          # prompt (or recomputed) tokens among them
     num_decode_tokens: int           # one per sequence that is generating
     preempted: list[Sequence] = field(default_factory=list)
-    swapped_in: list[Sequence] = field(default_factory=list)
     prefix_hit_tokens: int = 0       # tokens new sequences took from the prefix cache this step
 
     @property
@@ -123,7 +122,6 @@ class Scheduler:
                     break
                 self.blocks.swap_in(seq.request_id)
                 self.blocks.allocate(seq.request_id, seq.num_computed_tokens, n)
-                batch.swapped_in.append(seq)
             else:
                 hits = [] if seq.params.prompt_logprobs is not None else \
                     self.blocks.cached_prefix(seq.all_token_ids)
