@@ -2,10 +2,18 @@
 the real SmolLM2 in about a second once its GGUF has been converted into the cache."""
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
 
-from workbench import LLM
+# Without a GPU, the Triton kernels run in Triton's interpreter, which must be chosen before triton
+# is first imported (`./run test` sets it too).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from workbench import LLM  # noqa: E402
 from workbench.models import make_random_checkpoint, resolve_checkpoint
 
 
@@ -15,8 +23,8 @@ def smollm2_folder():
 
 
 @pytest.fixture(scope="session")
-def tiny_folder(smollm2_folder):
-    # Depends on smollm2_folder so the tiny model gets SmolLM2's tokenizer.
+def tiny_folder():
+    # Written once into the cache, with SmolLM2's tokenizer when SmolLM2 is installed.
     return make_random_checkpoint("tiny", seed=0)
 
 
@@ -59,3 +67,6 @@ def engine_next_token_logits(llm, prompt_ids: list[int]) -> torch.Tensor:
         return out.logits[0]
     finally:
         engine.abort_request(request_id)
+
+
+KERNEL_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -1,5 +1,7 @@
 """The benchmark harness itself (not a timing test): on a tiny model it runs both peers, they produce
 the same tokens, and the bandwidth arithmetic is the documented formula."""
+import torch
+
 from workbench.bench import copy_bandwidth, decode_bytes_per_token
 from workbench.bench import single_stream
 
@@ -18,3 +20,19 @@ def test_single_stream_runs_both_peers_on_identical_tokens(tiny_folder):
 def test_bandwidth_helpers():
     assert copy_bandwidth(size_mib=16, repeats=2) > 0
     assert decode_bytes_per_token(1000, 10, 5) == 1050
+
+
+def test_kernels_benchmark_rows_through_the_interpreter():
+    """The GPU benchmark's code paths on tiny shapes, so a GPU session never finds a Python error;
+    each row carries the kernel's error against SDPA, which must be small."""
+    from workbench.bench import kernels as kb
+    fa = kb.flash_attention_rows(dtype=torch.float32, seq_lens=(32,), tokens=64, heads=2,
+                                 head_dim=64, device="cpu")
+    dec = kb.paged_decode_rows(100.0, dtype=torch.float32, batches=(2,), contexts=(48,), heads=4,
+                               kv_heads=2, head_dim=64, device="cpu")
+    assert [(r["seq_len"], r["batch"], r["causal"]) for r in fa] == [(32, 2, False), (32, 2, True)]
+    assert all(r["max_abs_error_vs_sdpa"] < 1e-4 for r in fa + dec)
+    assert dec[0]["kv_bytes"] == 2 * 2 * 48 * 2 * 64 * 4
+    text = kb.summary({"gpu": "cpu", "torch": "x", "triton": "y", "flash_attention": fa,
+                       "paged_decode": dec})
+    assert "FlashAttention forward vs SDPA" in text and "paged decode" in text

@@ -14,7 +14,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float3
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_CACHE_LAYOUTS = ("paged", "contiguous")
 # The default KV budget holds max_num_seqs full contexts, so the default context is capped:

@@ -15,22 +15,42 @@ The backend must first write k and v at slot_mapping, then attend each new query
 keys up to its own position (causal, aligned bottom-right). It may cache per-step work in
 `meta.plan` (the metadata object is shared by all layers of one step).
 
-Only the plain-PyTorch reference exists so far; the Triton kernels (FlashAttention for prefill,
-paged split-KV decode) register here, and `attention_backend="auto"` will prefer them on CUDA.
+A backend also carries `ops`, the implementation of the per-token operations around attention
+(fused residual add + RMSNorm, rotary embedding; models/ops.py), so that one choice switches the
+whole layer between plain PyTorch and the Triton kernels.
+
+- "torch": plain PyTorch (torch_backend.py), the specification; the default on CPU.
+- "triton": the kernels/ package (triton_backend.py); the default on CUDA. On CPU it runs only
+  under Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported): correct, very
+  slow, and exactly how the tests check the kernels without a GPU.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
 from .torch_backend import TorchAttention
 
-BACKENDS = {"torch": TorchAttention}
+BACKENDS = ("torch", "triton")
 
 
 def get_attention_backend(name: str, device: torch.device):
     if name == "auto":
-        name = "torch"
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend={name!r} is invalid: allowed values are "
-                         f"'auto', {', '.join(repr(b) for b in BACKENDS)}")
-    return BACKENDS[name]()
+        name = "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if name == "torch":
+        return TorchAttention()
+    if name == "triton":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"attention_backend='triton' on device {device.type!r} needs Triton's "
+                             "interpreter: set TRITON_INTERPRET=1 in the environment before "
+                             "starting Python (it is slow; use 'torch' on CPU otherwise)")
+        from .triton_backend import TritonAttention
+        return TritonAttention()
+    raise ValueError(f"attention_backend={name!r} is invalid: allowed values are "
+                     f"'auto', {', '.join(repr(b) for b in BACKENDS)}")
+
+
+def _triton_available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("triton") is not None

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..models.ops import TorchOps
 from .metadata import AttentionMetadata
 
 MAX_GROUPS = 4
@@ -94,6 +95,7 @@ class TorchAttention:
     """Reference attention over a slot-addressed KV cache: gather, pad, one SDPA call per group."""
 
     name = "torch"
+    ops = TorchOps()
 
     def plan(self, meta: AttentionMetadata) -> list[Group]:
         """Everything that is the same for every layer, computed once per step."""

@@ -1,8 +1,9 @@
-"""python -m workbench.bench [single-stream|offline-mixed] [--dtypes ...] [--repeats N] [--json F]
+"""python -m workbench.bench [single-stream|offline-mixed|kernels] [--dtypes ...] [--repeats N] [--json F]
 
 single-stream: batch 1 decode speed and achieved bandwidth vs transformers' generate().
 offline-mixed: throughput on 64 mixed-length requests vs transformers in static batches of 8,
                and the KV capacity of paging vs contiguous reservation.
+kernels:       (CUDA only) FlashAttention forward TFLOP/s vs SDPA, paged decode GB/s vs copy.
 """
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import platform
 
 import torch
 
-from . import offline_mixed, single_stream
+from . import kernels, offline_mixed, single_stream
 
-WORKLOADS = {"single-stream": single_stream, "offline-mixed": offline_mixed}
+WORKLOADS = {"single-stream": single_stream, "offline-mixed": offline_mixed, "kernels": kernels}
 
 
 def main(argv=None) -> None:
@@ -30,6 +31,12 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--json", help="also write the results to this JSON file")
     args = ap.parse_args(argv)
+    if args.workload == "kernels":
+        result = kernels.run()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return
     module = WORKLOADS[args.workload]
     kwargs = {"model": args.model, "new_tokens": args.new_tokens}
     if args.workload == "offline-mixed":

