@@ -52,12 +52,13 @@ def _dot(a, b, PRECISION: tl.constexpr):
 @triton.jit
 def _key_rows(n_offs, seq, kv_start, block_table, stride_bt, PAGED: tl.constexpr,
               PAGE: tl.constexpr):
-    """Row index of each key position in the K/V tensors: direct, or through the block table."""
+    """Row index of each key position in the K/V tensors: direct, or through the block table.
+    64-bit, because row * row_stride overflows 32 bits in caches of a few GB."""
     if PAGED:
         block = tl.load(block_table + seq * stride_bt + n_offs // PAGE)
-        return block * PAGE + n_offs % PAGE
+        return block.to(tl.int64) * PAGE + n_offs % PAGE
     else:
-        return kv_start + n_offs
+        return (kv_start + n_offs).to(tl.int64)
 
 
 @triton.jit
@@ -66,15 +67,20 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, k_base, v_base, stride_kn, stride_vn,
                   offs_n, offs_d, qk_scale,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr,
                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    """The online-softmax loop over key tiles [lo, hi). MASKED tiles check causality and length."""
+    """The online-softmax loop over key tiles [lo, hi). Unmasked tiles lie wholly inside the
+    sequence and below the diagonal: plain loads, no compares. MASKED tiles check both."""
     for start_n in range(lo, hi, BLOCK_N):
         n = start_n + offs_n
-        in_range = n < kv_len
-        rows = _key_rows(tl.where(in_range, n, 0), seq, kv_start, block_table, stride_bt,
-                         PAGED, PAGE)
-        k = tl.load(K + k_base + rows[:, None] * stride_kn + offs_d[None, :],
-                    mask=in_range[:, None], other=0.0)
-        s = _dot(q, tl.trans(k), PRECISION) * qk_scale          # log2-domain scores (BLOCK_M, BLOCK_N)
+        if MASKED:
+            in_range = n < kv_len
+            rows = _key_rows(tl.where(in_range, n, 0), seq, kv_start, block_table, stride_bt,
+                             PAGED, PAGE)
+            k = tl.load(K + k_base + rows[:, None] * stride_kn + offs_d[None, :],
+                        mask=in_range[:, None], other=0.0)
+        else:
+            rows = _key_rows(n, seq, kv_start, block_table, stride_bt, PAGED, PAGE)
+            k = tl.load(K + k_base + rows[:, None] * stride_kn + offs_d[None, :])
+        s = _dot(q, tl.trans(k), PRECISION) * qk_scale     # log2-domain scores (BLOCK_M, BLOCK_N)
         if MASKED:
             visible = in_range[None, :]
             if CAUSAL:
@@ -84,8 +90,11 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, k_base, v_base, stride_kn, stride_vn,
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + v_base + rows[:, None] * stride_vn + offs_d[None, :],
-                    mask=in_range[:, None], other=0.0)
+        if MASKED:
+            v = tl.load(V + v_base + rows[:, None] * stride_vn + offs_d[None, :],
+                        mask=in_range[:, None], other=0.0)
+        else:
+            v = tl.load(V + v_base + rows[:, None] * stride_vn + offs_d[None, :])
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -160,14 +169,19 @@ def _flash_attention_fwd(
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_m[:, None] < q_len)
 
 
-def _tile_sizes(head_dim: int, device: torch.device) -> tuple[int, int, int, int]:
+def _tile_sizes(head_dim: int, device: torch.device, varlen: bool = False
+                ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). Small tiles in the interpreter (each program is
-    numpy work, and small tiles hit more edge cases); on a GPU, tiles that keep the tensor cores
-    busy while the next K/V tile loads."""
+    numpy work, and small tiles hit more edge cases). On a GPU: 128x64 tiles over 8 warps keep the
+    tensor cores fed; the variable-length/paged form gathers key rows through per-row pointers,
+    which costs registers, so at head_dim 128 it uses 64-row query tiles. These were chosen without
+    a GPU, from ptxas's register and spill counts (python -m kernels.compile_check): no spills
+    except at head_dim 128 in the variable-length forms (56 bytes paged, 400 packed). Tune them with `python -m workbench.bench
+    kernels` on the GPU you have."""
     if device.type != "cuda":
         return 16, 16, 4, 1
-    if head_dim <= 64:
-        return 128, 64, 4, 3
+    if varlen and head_dim > 64:
+        return 64, 64, 8, 3
     return 128, 64, 8, 3
 
 
@@ -246,7 +260,7 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     num_seqs = cu_seqlens_q.numel() - 1
     out = torch.empty_like(q)
     scale = head_dim ** -0.5 if sm_scale is None else sm_scale
-    block_m, block_n, warps, stages = _tile_sizes(head_dim, q.device)
+    block_m, block_n, warps, stages = _tile_sizes(head_dim, q.device, varlen=True)
     page = block_size if paged else 1
     grid = (triton.cdiv(max_seqlen_q, block_m), num_seqs * heads)
     dummy = cu_seqlens_q

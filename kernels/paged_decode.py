@@ -55,7 +55,7 @@ def _paged_decode_split(
         pos = pos0 + offs_n
         ok = pos < end
         block = tl.load(block_table + seq * stride_bt + pos // PAGE, mask=ok, other=0)
-        rows = block * PAGE + pos % PAGE             # cache slot of each key position
+        rows = block.to(tl.int64) * PAGE + pos % PAGE    # cache slot of each key (64-bit)
         k = tl.load(K + rows[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :],
                     mask=ok[:, None], other=0.0)
         s = _dot(q, tl.trans(k), PRECISION) * qk_scale
@@ -97,6 +97,14 @@ def _paged_decode_merge(
     tl.store(Out + seq * stride_ob + head * stride_oh + offs_d, out.to(Out.dtype.element_ty))
 
 
+def decode_config(head_dim: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_N keys per tile, num_warps): 64-key tiles; at head_dim 128 over 8 warps, where 4
+    would spill registers (ptxas counts, python -m kernels.compile_check)."""
+    if device.type != "cuda":
+        return 16, 4
+    return 64, (8 if head_dim > 64 else 4)
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
                       min_split_len: int = 256) -> int:
     """Enough programs to give every SM about two, but no split shorter than `min_split_len` keys
@@ -131,7 +139,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = heads // kv_heads
     if num_splits is None:
         num_splits = choose_num_splits(batch, kv_heads, max_seq_len, q.device)
-    block_n = 16 if q.device.type != "cuda" else 64
+    block_n, warps = decode_config(head_dim, q.device)
     # Every split but the last covers the same whole number of key tiles.
     split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_seq_len, split_len)
@@ -146,7 +154,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         heads, group, split_len, scale,
         HEAD_DIM=head_dim, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        PAGE=block_size, PRECISION=_precision(q), num_warps=4, num_stages=2)
+        PAGE=block_size, PRECISION=_precision(q), num_warps=warps, num_stages=2)
     _paged_decode_merge[(batch, heads)](
         partial, lse, out, num_splits,
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
