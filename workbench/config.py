@@ -17,6 +17,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_CACHE_LAYOUTS = ("paged", "contiguous")
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 # The default KV budget holds max_num_seqs full contexts, so the default context is capped:
 # SmolLM2's full 8192 tokens x 8 sequences would take 1.5 GB in bf16.
 DEFAULT_MAX_MODEL_LEN = 1024
@@ -91,6 +92,10 @@ class EngineConfig:
     preemption_mode: str = "recompute"   # or "swap" (to CPU memory)
     swap_space: int | None = None        # bytes of CPU memory for swapped blocks (default: pool size)
     record_block_tables: bool = False    # copy every sequence's block table into each StepRecord
+    # Quantization (workbench/quant/).
+    quantization: str | None = None      # None, "int8", "int4", "gptq", "awq", "smoothquant"
+    quantization_config: dict | None = None   # QuantConfig fields: group_size, quantize_lm_head...
+    kv_cache_dtype: str = "auto"         # "auto" (the model's dtype), "fp8" (e4m3), "int8"
 
     def __post_init__(self) -> None:
         self.torch_device = resolve_device(self.device)
@@ -99,6 +104,16 @@ class EngineConfig:
             _positive_int("max_model_len", self.max_model_len, 2)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.quantization is not None:
+            from .quant.apply import QuantConfig
+            self.quant_config = QuantConfig.from_args(self.quantization, self.quantization_config)
+        elif self.quantization_config:
+            raise ValueError("quantization_config is set but quantization is None: choose a method")
+        else:
+            self.quant_config = None
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is invalid: allowed are "
+                             + ", ".join(repr(d) for d in KV_CACHE_DTYPES))
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} is invalid: allowed "
                              f"values are {', '.join(ATTENTION_BACKENDS)}")

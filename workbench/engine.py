@@ -47,6 +47,8 @@ class LLMEngine:
                         self.model_args.kv_bytes_per_token(self.dtype))
         self.model = load_model(self.checkpoint, self.dtype, self.device, config.max_model_len)
         self.tokenizer = load_tokenizer(self.checkpoint)
+        if config.quant_config is not None:
+            self._quantize(config.quant_config)
         self.blocks = BlockManager(
             config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
             num_cpu_blocks=config.num_cpu_blocks,
@@ -62,6 +64,18 @@ class LLMEngine:
         self.trace: list[StepRecord] = []
         self._request_counter = itertools.count()
         self._sequences: dict[str, Sequence] = {}
+
+    def _quantize(self, cfg) -> None:
+        from .quant.apply import quantize_model
+        calibration = None
+        if cfg.method in ("gptq", "awq", "smoothquant"):
+            if self.tokenizer is None:
+                raise ValueError(f"quantization={cfg.method!r} calibrates on text and needs the "
+                                 "model's tokenizer, which this checkpoint lacks")
+            from .quant.calibration import calibration_windows
+            calibration = calibration_windows(self.tokenizer, cfg.num_calibration_windows,
+                                              cfg.calibration_window_len)
+        quantize_model(self.model, cfg, calibration)
 
     def _eos_token_ids(self) -> set[int]:
         """End-of-sequence ids from config.json, generation_config.json and the tokenizer."""

@@ -225,10 +225,13 @@ class LlamaModel(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def weight_bytes(self) -> int:
-        """Bytes of weights read per decode step: every matrix once; of the embedding table only a
-        row is read, unless it is tied to the LM head (then the head reads all of it)."""
+        """Bytes of weights read per decode step: every matrix once (quantized layers in their
+        packed format); of the embedding table only a row is read, unless the LM head is that
+        same table (tied and unquantized), in which case the head reads all of it."""
+        from ..quant.linear import QuantLinear
         total = sum(p.numel() * p.element_size() for p in self.parameters())
-        if not self.args.tie_word_embeddings:
+        total += sum(m.weight_bytes() for m in self.modules() if isinstance(m, QuantLinear))
+        if getattr(self.lm_head, "weight", None) is not self.embed_tokens.weight:
             w = self.embed_tokens.weight
             total -= w.numel() * w.element_size()
         return total

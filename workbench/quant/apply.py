@@ -1,0 +1,101 @@
+"""quantize_model: replace a loaded model's projections with quantized layers, by one method.
+
+    model (bf16/fp32 nn.Linear weights)
+      -> [calibration windows -> per-layer input statistics]      gptq, awq, smoothquant only
+      -> per projection: a quantized weight (formats.py) by the method's rule
+      -> Int8Linear / Int4Linear / W8A8Linear in place of nn.Linear (linear.py)
+
+Every decoder projection is quantized (qkv_proj, o_proj, gate_up_proj, down_proj) and, unless
+`quantize_lm_head=False`, the LM head too: at 49152 x 576 it is a fifth of SmolLM2's weights and
+the largest single read of every decode step. The tied embedding table stays in the model's dtype
+(a step reads one row of it). The LM head is quantized by round-to-nearest in every method: GPTQ,
+AWQ and SmoothQuant treat the decoder layers, where their statistics come from.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..models.llama import LlamaModel
+from .formats import check_group_size, quantize_int4, quantize_int8
+from .linear import Int4Linear, Int8Linear, QuantLinear
+
+METHODS = ("int8", "int4", "gptq", "awq", "smoothquant")
+PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+@dataclass
+class QuantConfig:
+    method: str
+    group_size: int = 128              # int4, gptq, awq
+    quantize_lm_head: bool = True
+    num_calibration_windows: int = 32  # gptq, awq, smoothquant
+    calibration_window_len: int = 256
+    smoothquant_alpha: float = 0.5     # how much of the activations' range migrates to weights
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_args(cls, method: str, options: dict | None) -> "QuantConfig":
+        if method not in METHODS:
+            raise ValueError(f"quantization={method!r} is invalid: allowed are None, "
+                             + ", ".join(repr(m) for m in METHODS))
+        options = dict(options or {})
+        known = set(cls.__dataclass_fields__) - {"method", "extra"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"quantization_config has unknown key(s) {unknown}: allowed are "
+                             f"{sorted(known)}")
+        cfg = cls(method=method, **options)
+        check_group_size(cfg.group_size)
+        if not 0.0 <= cfg.smoothquant_alpha <= 1.0:
+            raise ValueError(f"smoothquant_alpha={cfg.smoothquant_alpha!r} is invalid: it must "
+                             "be in [0, 1]")
+        return cfg
+
+
+def projections(model: LlamaModel):
+    """(name, parent module, attribute, nn.Linear) of every decoder projection."""
+    for i, layer in enumerate(model.layers):
+        for path in PROJECTIONS:
+            owner_name, attr = path.split(".")
+            owner = getattr(layer, owner_name)
+            yield f"layers.{i}.{path}", owner, attr, getattr(owner, attr)
+
+
+def rtn_layer(linear: nn.Linear, method: str, group_size: int, dtype: torch.dtype) -> QuantLinear:
+    if method == "int8":
+        return Int8Linear(quantize_int8(linear.weight.data), dtype)
+    return Int4Linear(quantize_int4(linear.weight.data, group_size), dtype)
+
+
+def quantize_lm_head(model: LlamaModel, method: str, group_size: int) -> None:
+    dtype = model.lm_head.weight.dtype
+    fmt = "int8" if method in ("int8", "smoothquant") else "int4"
+    model.lm_head = rtn_layer(model.lm_head, fmt, group_size, dtype)
+
+
+@torch.no_grad()
+def quantize_model(model: LlamaModel, cfg: QuantConfig, calibration: list[list[int]] | None = None
+                   ) -> LlamaModel:
+    """Quantize `model` in place by `cfg.method`; calibrated methods need token windows."""
+    dtype = model.embed_tokens.weight.dtype
+    if cfg.method in ("int8", "int4"):
+        for _, owner, attr, linear in list(projections(model)):
+            setattr(owner, attr, rtn_layer(linear, cfg.method, cfg.group_size, dtype))
+    else:
+        if not calibration:
+            raise ValueError(f"quantization={cfg.method!r} needs calibration windows")
+        if cfg.method == "gptq":
+            from .gptq import quantize_gptq
+            quantize_gptq(model, cfg, calibration)
+        elif cfg.method == "awq":
+            from .awq import quantize_awq
+            quantize_awq(model, cfg, calibration)
+        else:
+            from .smoothquant import quantize_smoothquant
+            quantize_smoothquant(model, cfg, calibration)
+    if cfg.quantize_lm_head:
+        quantize_lm_head(model, cfg.method, cfg.group_size)
+    return model
