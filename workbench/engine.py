@@ -23,7 +23,7 @@ import torch
 from .attention import get_attention_backend
 from .config import EngineConfig
 from .kv.block_manager import BlockManager
-from .kv.paged_cache import PagedKVCache
+from .kv.paged_cache import PagedKVCache, kv_bytes_per_token
 from .models.loader import load_model, load_tokenizer, read_args, resolve_checkpoint
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
@@ -44,7 +44,7 @@ class LLMEngine:
         self.model_args = read_args(self.checkpoint)
         self.device, self.dtype = config.torch_device, config.torch_dtype
         config.finalize(self.model_args.max_position_embeddings,
-                        self.model_args.kv_bytes_per_token(self.dtype))
+                        kv_bytes_per_token(self.model_args, self.dtype, config.kv_cache_dtype))
         self.model = load_model(self.checkpoint, self.dtype, self.device, config.max_model_len)
         self.tokenizer = load_tokenizer(self.checkpoint)
         if config.quant_config is not None:
@@ -54,8 +54,10 @@ class LLMEngine:
             num_cpu_blocks=config.num_cpu_blocks,
             reserve_tokens=config.max_model_len if config.kv_cache_layout == "contiguous" else None)
         self.cache = PagedKVCache(self.model_args, config.num_kv_blocks, config.block_size,
-                                  self.dtype, self.device, config.num_cpu_blocks)
-        self.backend = get_attention_backend(config.attention_backend, self.device)
+                                  self.dtype, self.device, config.num_cpu_blocks,
+                                  kv_cache_dtype=config.kv_cache_dtype)
+        self.backend = get_attention_backend(config.attention_backend, self.device,
+                                             config.kv_cache_dtype)
         self.scheduler = Scheduler(config, self.blocks)
         self.runner = ModelRunner(self.model, self.cache, self.blocks, self.backend, self.device)
         self.sampler = Sampler(config.seed)

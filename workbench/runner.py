@@ -57,7 +57,8 @@ class ModelRunner:
             query_start_loc=torch.tensor([0] + q_lens, device=dev).cumsum(0),
             seq_lens=torch.tensor(seq_lens, device=dev), slot_mapping=slot_mapping,
             slot_table=slot_table, max_query_len=max(q_lens), max_seq_len=max_seq_len,
-            query_lens=q_lens, seq_lens_list=seq_lens, block_tables=block_tables, block_size=bs)
+            query_lens=q_lens, seq_lens_list=seq_lens, block_tables=block_tables, block_size=bs,
+            kv_cache_dtype=self.cache.kv_cache_dtype)
         return torch.tensor(ids, device=dev), positions_t, meta
 
     def apply_block_ops(self, ops: BlockOps) -> None:

@@ -36,6 +36,7 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     block_tables: torch.Tensor | None = None  # (num_seqs, max_blocks) int64, for paged kernels
     block_size: int = 0
+    kv_cache_dtype: str = "auto"  # "fp8"/"int8": cache rows are codes + scale (quant/kv.py)
     plan: object = None  # what the backend precomputes once per step (index tensors, masks)
 
     @property

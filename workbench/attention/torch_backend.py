@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.ops import TorchOps
+from ..quant.kv import dequantize_rows, quantize_rows
 from .metadata import AttentionMetadata
 
 MAX_GROUPS = 4
@@ -48,8 +49,11 @@ class Group:
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store this step's keys/values (num_tokens, kv_heads, head_dim) in their cache slots."""
+             slot_mapping: torch.Tensor, kv_cache_dtype: str = "auto") -> None:
+    """Store this step's keys/values (num_tokens, kv_heads, head_dim) in their cache slots,
+    quantized first if the cache holds FP8/INT8 rows."""
+    if kv_cache_dtype != "auto":
+        k, v = quantize_rows(k, kv_cache_dtype), quantize_rows(v, kv_cache_dtype)
     k_cache.index_copy_(0, slot_mapping, k)
     v_cache.index_copy_(0, slot_mapping, v)
 
@@ -137,13 +141,14 @@ class TorchAttention:
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         """q: (T, H, D); k, v: (T, KVH, D); caches: (num_slots, KVH, D). Returns (T, H * D)."""
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.kv_cache_dtype)
         if meta.plan is None:
             meta.plan = self.plan(meta)
         num_tokens, num_heads, head_dim = q.shape
         out = None
         for g in meta.plan:
-            result = self._attend(q, k_cache, v_cache, g, scale)   # (rows of g, H * D)
+            result = self._attend(q, k_cache, v_cache, g, scale,
+                                  meta.kv_cache_dtype)   # (rows of g, H * D)
             if g.rows is None:
                 return result
             if out is None:
@@ -152,10 +157,14 @@ class TorchAttention:
         return out
 
     @staticmethod
-    def _attend(q, k_cache, v_cache, g: Group, scale: float) -> torch.Tensor:
+    def _attend(q, k_cache, v_cache, g: Group, scale: float,
+                kv_cache_dtype: str = "auto") -> torch.Tensor:
         _, num_heads, head_dim = q.shape
-        keys = gather(k_cache, g).transpose(1, 2)         # (n, KVH, max_kv, D)
-        values = gather(v_cache, g).transpose(1, 2)
+        keys, values = gather(k_cache, g), gather(v_cache, g)
+        if kv_cache_dtype != "auto":   # dequantize on read, in the query's dtype
+            keys = dequantize_rows(keys, kv_cache_dtype, q.dtype)
+            values = dequantize_rows(values, kv_cache_dtype, q.dtype)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)   # (n, KVH, max_kv, D)
         if g.q_index is not None:
             queries = q[g.q_index]
         elif g.rows is not None:

@@ -1,7 +1,8 @@
 """PagedKVCache: the tensors that hold keys and values, and the block copies the manager asks for.
 
 Per layer, K and V are each one flat tensor of `num_blocks * block_size` slots of shape
-(kv_heads, head_dim). Block b owns slots [b * block_size, (b + 1) * block_size). Attention backends
+(kv_heads, head_dim), or, with kv_cache_dtype "fp8"/"int8", (kv_heads, head_dim + 4) bytes of codes
+and a scale (quant/kv.py). Block b owns slots [b * block_size, (b + 1) * block_size). Attention backends
 see only slot numbers (or block tables), never the allocator. A second, smaller set of tensors in CPU
 memory receives swapped-out blocks.
 """
@@ -10,14 +11,27 @@ from __future__ import annotations
 import torch
 
 from ..models.llama import LlamaArgs
+from ..quant.kv import is_quantized, row_bytes
 from .block_manager import BlockOps
+
+
+def kv_bytes_per_token(args: LlamaArgs, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of K and V that one token occupies in the cache, all layers together."""
+    return 2 * args.num_hidden_layers * args.num_key_value_heads * row_bytes(
+        args.head_dim, kv_cache_dtype, dtype)
 
 
 class PagedKVCache:
     def __init__(self, args: LlamaArgs, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, num_cpu_blocks: int = 0):
+                 device: torch.device, num_cpu_blocks: int = 0, kv_cache_dtype: str = "auto"):
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_blocks * block_size, args.num_key_value_heads, args.head_dim)
+        self.kv_cache_dtype = kv_cache_dtype
+        row = row_bytes(args.head_dim, kv_cache_dtype, dtype)
+        if is_quantized(kv_cache_dtype):   # codes + scale per row, as bytes (quant/kv.py)
+            shape = (num_blocks * block_size, args.num_key_value_heads, row)
+            dtype = torch.uint8
+        else:
+            shape = (num_blocks * block_size, args.num_key_value_heads, args.head_dim)
         # torch.zeros, not empty: memory is committed now, so what the engine reports is real.
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device))
@@ -27,7 +41,7 @@ class PagedKVCache:
         self.cpu_caches = [(torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
                             torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin))
                            for _ in range(args.num_hidden_layers)] if num_cpu_blocks else []
-        self.bytes_per_token = args.kv_bytes_per_token(dtype)
+        self.bytes_per_token = kv_bytes_per_token(args, dtype, kv_cache_dtype)
         self.device = device
 
     @property
