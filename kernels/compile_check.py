@@ -109,6 +109,18 @@ def compile_all(dtype: str = "bf16") -> list[Compiled]:
             _rotary, "rotary", {"Q": ptr, "K": ptr, "positions": "*i64", "Cos": "*fp32",
                                 "Sin": "*fp32"}, set(),
             dict(HALF=head_dim // 2, BLOCK_H=32), 4, 1))
+    from .quant_matmul import _blocks, _int4_matmul, _int8_matmul
+    for m in (1, 64):
+        block_m, block_n, block_k, warps = _blocks(m, gpu)
+        results.append(compile_one(
+            _int8_matmul, "int8_weight_matmul",
+            {"X": ptr, "W": "*i8", "Scale": ptr, "Out": ptr}, set(),
+            dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION="tf32"), warps, 3))
+        results.append(compile_one(
+            _int4_matmul, "int4_weight_matmul",
+            {"X": ptr, "Packed": "*u8", "Scale": ptr, "Minimum": ptr, "Out": ptr}, set(),
+            dict(GROUP=128, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                 PRECISION="tf32"), warps, 3))
     results.append(compile_one(
         _rms_norm, "rms_norm", {"X": ptr, "Residual": ptr, "W": ptr, "Out": ptr}, {"eps"},
         dict(BLOCK=4096, HAS_RESIDUAL=True), 16, 1))

@@ -25,7 +25,7 @@ def test_kernels_compile_for_hopper():
     compiled = json.loads(done.stdout.strip().splitlines()[-1])
     names = {c["name"] for c in compiled}
     assert names == {"flash_attention", "paged_decode_split", "paged_decode_merge", "rotary",
-                     "rms_norm"}
+                     "rms_norm", "int8_weight_matmul", "int4_weight_matmul"}
     for c in compiled:
         assert c["shared_bytes"] <= 227 * 1024, c
         assert c["registers"] <= 255, c
