@@ -27,6 +27,7 @@ from .kv.paged_cache import PagedKVCache, kv_bytes_per_token
 from .models.loader import load_model, load_tokenizer, read_args, resolve_checkpoint
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
+from .quant.checkpoint import is_quantized_checkpoint, load_quantized, save_quantized
 from .runner import ModelRunner
 from .sampler import Sampler, top_logprobs
 from .sampling_params import SamplingParams
@@ -45,10 +46,21 @@ class LLMEngine:
         self.device, self.dtype = config.torch_device, config.torch_dtype
         config.finalize(self.model_args.max_position_embeddings,
                         kv_bytes_per_token(self.model_args, self.dtype, config.kv_cache_dtype))
-        self.model = load_model(self.checkpoint, self.dtype, self.device, config.max_model_len)
         self.tokenizer = load_tokenizer(self.checkpoint)
-        if config.quant_config is not None:
-            self._quantize(config.quant_config)
+        self.quantization = None                     # the method the weights carry, if any
+        if is_quantized_checkpoint(self.checkpoint):
+            if config.quant_config is not None:
+                raise ValueError(f"quantization={config.quantization!r} is invalid for "
+                                 f"{config.model}: it is already quantized; pass None")
+            self.model, manifest = load_quantized(self.checkpoint, self.dtype, self.device,
+                                                  config.max_model_len)
+            self.quantization = manifest["method"]
+        else:
+            self.model = load_model(self.checkpoint, self.dtype, self.device,
+                                    config.max_model_len)
+            if config.quant_config is not None:
+                self._quantize(config.quant_config)
+                self.quantization = config.quant_config.method
         self.blocks = BlockManager(
             config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
             num_cpu_blocks=config.num_cpu_blocks,
@@ -78,6 +90,15 @@ class LLMEngine:
             calibration = calibration_windows(self.tokenizer, cfg.num_calibration_windows,
                                               cfg.calibration_window_len)
         quantize_model(self.model, cfg, calibration)
+
+    def save_quantized(self, path) -> str:
+        """Write the quantized model as a folder that LLM(model=path) loads (quant/checkpoint.py)."""
+        if self.quantization is None:
+            raise ValueError("save_quantized needs a quantized model: build the LLM with "
+                             "quantization=... first")
+        cfg = self.config.quant_config
+        group = cfg.group_size if cfg is not None else 0
+        return str(save_quantized(self.model, self.quantization, group, self.checkpoint, path))
 
     def _eos_token_ids(self) -> set[int]:
         """End-of-sequence ids from config.json, generation_config.json and the tokenizer."""

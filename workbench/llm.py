@@ -45,12 +45,18 @@ class LLM:
             dtype += (" (auto: CUDA)" if e.device.type == "cuda" else
                       " (auto: this CPU has native bf16)" if dtype == "bfloat16" else
                       " (auto: no native bf16 on this CPU)")
-        return (f"[workbench] {e.config.model}: {e.model.num_parameters() / 1e6:.1f}M parameters "
-                f"on {e.device.type}{how}, {dtype}, attention={e.backend.name}, "
+        quant = f", quantization={e.quantization}" if e.quantization else ""
+        kv = f", kv_cache_dtype={e.config.kv_cache_dtype}" if e.config.kv_cache_dtype != "auto" else ""
+        return (f"[workbench] {e.config.model}: weights {e.model.weight_bytes() / 2**20:.0f} MiB "
+                f"on {e.device.type}{how}, {dtype}{quant}{kv}, attention={e.backend.name}, "
                 f"max_model_len={e.config.max_model_len}, max_num_seqs={e.config.max_num_seqs}, "
                 f"KV cache {e.cache.total_bytes / 2**20:.0f} MiB = {e.cache.num_slots} tokens "
                 f"({e.config.num_kv_blocks} blocks of {e.config.block_size}, "
                 f"{e.config.kv_cache_layout})")
+
+    def save_quantized(self, path) -> str:
+        """Save a quantized model as a folder; LLM(model=path) loads it without recalibrating."""
+        return self.engine.save_quantized(path)
 
     @property
     def trace(self):
