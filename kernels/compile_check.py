@@ -93,14 +93,15 @@ def compile_all(dtype: str = "bf16") -> list[Compiled]:
                  "cu_seqlens_k": "*i64", "seq_lens_k": "*i64", "block_table": "*i64"},
                 {"qk_scale"},
                 dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=True,
-                     VARLEN=varlen, PAGED=paged, PAGE=16, PRECISION="tf32"), warps, stages))
+                     VARLEN=varlen, PAGED=paged, PAGE=16, PRECISION="tf32", KV_QUANT=0),
+                warps, stages))
         block_n, warps = decode_config(head_dim, gpu)
         results.append(compile_one(
             _paged_decode_split, "paged_decode_split",
             {"Q": ptr, "K": ptr, "V": ptr, "PartialOut": "*fp32", "PartialLse": "*fp32",
              "block_table": "*i64", "seq_lens": "*i64"}, {"qk_scale"},
-            dict(HEAD_DIM=head_dim, BLOCK_G=16, BLOCK_N=block_n, PAGE=16, PRECISION="tf32"),
-            warps, 2))
+            dict(HEAD_DIM=head_dim, BLOCK_G=16, BLOCK_N=block_n, PAGE=16, PRECISION="tf32",
+                 KV_QUANT=0), warps, 2))
         results.append(compile_one(
             _paged_decode_merge, "paged_decode_merge",
             {"PartialOut": "*fp32", "PartialLse": "*fp32", "Out": ptr}, set(),
@@ -109,6 +110,22 @@ def compile_all(dtype: str = "bf16") -> list[Compiled]:
             _rotary, "rotary", {"Q": ptr, "K": ptr, "positions": "*i64", "Cos": "*fp32",
                                 "Sin": "*fp32"}, set(),
             dict(HALF=head_dim // 2, BLOCK_H=32), 4, 1))
+    # Quantized KV caches (FP8 = 2, INT8 = 1): uint8 rows of codes + scale.
+    block_m, block_n, warps, stages = _tile_sizes(128, gpu, True)
+    for code in (1, 2):
+        results.append(compile_one(
+            _flash_attention_fwd, "flash_attention",
+            {"Q": ptr, "K": "*u8", "V": "*u8", "Out": ptr, "cu_seqlens_q": "*i64",
+             "cu_seqlens_k": "*i64", "seq_lens_k": "*i64", "block_table": "*i64"}, {"qk_scale"},
+            dict(HEAD_DIM=128, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=True, VARLEN=True,
+                 PAGED=True, PAGE=16, PRECISION="tf32", KV_QUANT=code), warps, stages))
+        block_n, warps = decode_config(128, gpu)
+        results.append(compile_one(
+            _paged_decode_split, "paged_decode_split",
+            {"Q": ptr, "K": "*u8", "V": "*u8", "PartialOut": "*fp32", "PartialLse": "*fp32",
+             "block_table": "*i64", "seq_lens": "*i64"}, {"qk_scale"},
+            dict(HEAD_DIM=128, BLOCK_G=16, BLOCK_N=block_n, PAGE=16, PRECISION="tf32",
+                 KV_QUANT=code), warps, 2))
     from .quant_matmul import _blocks, _int4_matmul, _int8_matmul
     for m in (1, 64):
         block_m, block_n, block_k, warps = _blocks(m, gpu)

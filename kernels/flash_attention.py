@@ -62,24 +62,51 @@ def _key_rows(n_offs, seq, kv_start, block_table, stride_bt, PAGED: tl.constexpr
 
 
 @triton.jit
+def load_kv_tile(Cache, base, rows, stride_n, offs_d, in_range, dtype, MASKED: tl.constexpr,
+                 KV_QUANT: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A (BLOCK_N, HEAD_DIM) tile of keys or values in `dtype`. With a quantized cache
+    (KV_QUANT 1 = INT8, 2 = FP8 e4m3; workbench/quant/kv.py) each row is HEAD_DIM bytes of codes
+    followed by its fp32 scale: load the bytes, reinterpret, multiply by the row's scale."""
+    ptrs = Cache + base + rows[:, None] * stride_n + offs_d[None, :]
+    if KV_QUANT == 0:
+        if MASKED:
+            return tl.load(ptrs, mask=in_range[:, None], other=0.0)
+        else:
+            return tl.load(ptrs)
+    else:
+        scale_ptrs = (Cache + base + rows * stride_n + HEAD_DIM).to(tl.pointer_type(tl.float32))
+        if MASKED:
+            raw = tl.load(ptrs, mask=in_range[:, None], other=0)
+            scale = tl.load(scale_ptrs, mask=in_range, other=0.0)
+        else:
+            raw = tl.load(ptrs)
+            scale = tl.load(scale_ptrs)
+        if KV_QUANT == 1:
+            codes = raw.to(tl.int8, bitcast=True).to(tl.float32)
+        else:
+            codes = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return (codes * scale[:, None]).to(dtype)
+
+
+@triton.jit
 def _attend_tiles(acc, m_i, l_i, q, K, V, k_base, v_base, stride_kn, stride_vn,
                   seq, kv_start, block_table, stride_bt, lo, hi, kv_len, q_pos,
                   offs_n, offs_d, qk_scale,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr,
-                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                  KV_QUANT: tl.constexpr, HEAD_DIM: tl.constexpr):
     """The online-softmax loop over key tiles [lo, hi). Unmasked tiles lie wholly inside the
     sequence and below the diagonal: plain loads, no compares. MASKED tiles check both."""
     for start_n in range(lo, hi, BLOCK_N):
         n = start_n + offs_n
+        in_range = n < kv_len
         if MASKED:
-            in_range = n < kv_len
             rows = _key_rows(tl.where(in_range, n, 0), seq, kv_start, block_table, stride_bt,
                              PAGED, PAGE)
-            k = tl.load(K + k_base + rows[:, None] * stride_kn + offs_d[None, :],
-                        mask=in_range[:, None], other=0.0)
         else:
             rows = _key_rows(n, seq, kv_start, block_table, stride_bt, PAGED, PAGE)
-            k = tl.load(K + k_base + rows[:, None] * stride_kn + offs_d[None, :])
+        k = load_kv_tile(K, k_base, rows, stride_kn, offs_d, in_range, q.dtype, MASKED,
+                         KV_QUANT, HEAD_DIM)
         s = _dot(q, tl.trans(k), PRECISION) * qk_scale     # log2-domain scores (BLOCK_M, BLOCK_N)
         if MASKED:
             visible = in_range[None, :]
@@ -90,11 +117,8 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, k_base, v_base, stride_kn, stride_vn,
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASKED:
-            v = tl.load(V + v_base + rows[:, None] * stride_vn + offs_d[None, :],
-                        mask=in_range[:, None], other=0.0)
-        else:
-            v = tl.load(V + v_base + rows[:, None] * stride_vn + offs_d[None, :])
+        v = load_kv_tile(V, v_base, rows, stride_vn, offs_d, in_range, q.dtype, MASKED,
+                         KV_QUANT, HEAD_DIM)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -108,7 +132,7 @@ def _flash_attention_fwd(
         seq_len_q, seq_len_k, num_heads, group_size, qk_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, VARLEN: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
-        PRECISION: tl.constexpr):
+        PRECISION: tl.constexpr, KV_QUANT: tl.constexpr = 0):
     # One program = one tile of BLOCK_M queries of one (sequence, head).
     tile = tl.program_id(0)
     seq = tl.program_id(1) // num_heads
@@ -158,11 +182,13 @@ def _flash_attention_fwd(
     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K, V, k_base, v_base, stride_kn, stride_vn,
                                   seq, kv_start, block_table, stride_bt, 0, full_end, kv_len,
                                   q_pos, offs_n, offs_d, qk_scale,
-                                  False, CAUSAL, PAGED, PAGE, BLOCK_N, PRECISION)
+                                  False, CAUSAL, PAGED, PAGE, BLOCK_N, PRECISION,
+                                  KV_QUANT, HEAD_DIM)
     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K, V, k_base, v_base, stride_kn, stride_vn,
                                   seq, kv_start, block_table, stride_bt, full_end, diag_end,
                                   kv_len, q_pos, offs_n, offs_d, qk_scale,
-                                  True, CAUSAL, PAGED, PAGE, BLOCK_N, PRECISION)
+                                  True, CAUSAL, PAGED, PAGE, BLOCK_N, PRECISION,
+                                  KV_QUANT, HEAD_DIM)
     out = acc / l_i[:, None]
     o_ptrs = (Out + seq * stride_ob + head * stride_oh
               + (q_start + offs_m)[:, None] * stride_om + offs_d[None, :])
@@ -192,6 +218,22 @@ def _precision(q: torch.Tensor) -> str:
     if q.device.type != "cuda" and q.dtype == torch.bfloat16:
         return "upcast"
     return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+KV_QUANT_CODES = {"auto": 0, "int8": 1, "fp8": 2}
+
+
+def kv_quant_code(kv_cache_dtype: str, cache: torch.Tensor, head_dim: int, paged: bool) -> int:
+    """The kernels' KV_QUANT constant, after checking the cache has the quantized row layout."""
+    if kv_cache_dtype not in KV_QUANT_CODES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is invalid: allowed are "
+                         + ", ".join(repr(d) for d in KV_QUANT_CODES))
+    code = KV_QUANT_CODES[kv_cache_dtype]
+    if code and (not paged or cache.dtype != torch.uint8 or cache.shape[-1] != head_dim + 4):
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs a paged uint8 cache of rows "
+                         f"head_dim + 4 = {head_dim + 4} bytes; got {cache.dtype} "
+                         f"{tuple(cache.shape)}")
+    return code
 
 
 def _check_head_dim(head_dim: int) -> None:
@@ -237,17 +279,20 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            cu_seqlens_k: torch.Tensor | None = None,
                            seq_lens_k: torch.Tensor | None = None,
                            block_table: torch.Tensor | None = None, block_size: int = 0,
-                           causal: bool = True, sm_scale: float | None = None) -> torch.Tensor:
+                           causal: bool = True, sm_scale: float | None = None,
+                           kv_cache_dtype: str = "auto") -> torch.Tensor:
     """Packed sequences: q (total_q, H, D); sequence b's queries are rows cu_seqlens_q[b]:[b+1].
 
     Keys/values either packed the same way (k, v (total_k, KVH, D) with `cu_seqlens_k`), or in a
     paged cache (k, v (num_blocks * block_size, KVH, D) with `block_table` (B, max_blocks),
-    `block_size` and `seq_lens_k` (B,)). The causal mask is aligned bottom-right, so a chunk of a prompt whose
+    `block_size` and `seq_lens_k` (B,)). A paged cache may hold FP8/INT8 rows (`kv_cache_dtype`
+    "fp8"/"int8", uint8 tensors of (..., KVH, D + 4)); the output is then in q's dtype. The causal mask is aligned bottom-right, so a chunk of a prompt whose
     earlier tokens are already cached attends to them all and causally to itself.
     """
     total_q, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     _check_head_dim(head_dim)
+    kv_quant = kv_quant_code(kv_cache_dtype, k, head_dim, paged=block_table is not None)
     if heads % kv_heads:
         raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads}")
     paged = block_table is not None
@@ -274,5 +319,5 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         block_table.stride(0) if paged else 0,
         0, 0, heads, heads // kv_heads, scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, VARLEN=True,
-        PAGED=paged, PAGE=page, PRECISION=_precision(q), num_warps=warps, num_stages=stages)
+        PAGED=paged, PAGE=page, PRECISION=_precision(q), KV_QUANT=kv_quant, num_warps=warps, num_stages=stages)
     return out

@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash_attention import LOG2E, _check_head_dim, _dot, _precision
+from .flash_attention import (LOG2E, _check_head_dim, _dot, _precision, kv_quant_code,
+                              load_kv_tile)
 
 
 @triton.jit
@@ -32,7 +33,7 @@ def _paged_decode_split(
         stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
         num_heads, group_size, split_len, qk_scale,
         HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-        PAGE: tl.constexpr, PRECISION: tl.constexpr):
+        PAGE: tl.constexpr, PRECISION: tl.constexpr, KV_QUANT: tl.constexpr = 0):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -56,16 +57,16 @@ def _paged_decode_split(
         ok = pos < end
         block = tl.load(block_table + seq * stride_bt + pos // PAGE, mask=ok, other=0)
         rows = block.to(tl.int64) * PAGE + pos % PAGE    # cache slot of each key (64-bit)
-        k = tl.load(K + rows[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :],
-                    mask=ok[:, None], other=0.0)
+        k = load_kv_tile(K, kv_head * stride_kh, rows, stride_kn, offs_d, ok, q.dtype, True,
+                         KV_QUANT, HEAD_DIM)
         s = _dot(q, tl.trans(k), PRECISION) * qk_scale
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + rows[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :],
-                    mask=ok[:, None], other=0.0)
+        v = load_kv_tile(V, kv_head * stride_vh, rows, stride_vn, offs_d, ok, q.dtype, True,
+                         KV_QUANT, HEAD_DIM)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION)
         m_i = m_new
 
@@ -119,7 +120,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                            sm_scale: float | None = None, num_splits: int | None = None,
-                           max_seq_len: int | None = None) -> torch.Tensor:
+                           max_seq_len: int | None = None, kv_cache_dtype: str = "auto"
+                           ) -> torch.Tensor:
     """q (B, H, D): one query per sequence; caches (num_blocks * block_size, KVH, D); block_table
     (B, max_blocks) int; seq_lens (B,) keys per sequence (>= 1). Returns (B, H, D).
 
@@ -129,6 +131,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     _check_head_dim(head_dim)
+    kv_quant = kv_quant_code(kv_cache_dtype, k_cache, head_dim, paged=True)
     if heads % kv_heads:
         raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads}")
     if block_size < 1 or k_cache.shape[0] % block_size:
@@ -154,7 +157,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         heads, group, split_len, scale,
         HEAD_DIM=head_dim, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        PAGE=block_size, PRECISION=_precision(q), num_warps=warps, num_stages=2)
+        PAGE=block_size, PRECISION=_precision(q), KV_QUANT=kv_quant, num_warps=warps,
+        num_stages=2)
     _paged_decode_merge[(batch, heads)](
         partial, lse, out, num_splits,
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),

@@ -25,9 +25,10 @@ PROMPTS = [
 ]
 
 
-def run(folder, backend, params, device="cpu", dtype="float32"):
+def run(folder, backend, params, device="cpu", dtype="float32", kv_cache_dtype="auto"):
     llm = LLM(model=str(folder), dtype=dtype, device=device, verbose=False,
               attention_backend=backend, block_size=4, max_num_batched_tokens=8,
+              kv_cache_dtype=kv_cache_dtype,
               enable_prefix_caching=True, max_model_len=128, max_num_seqs=4)
     params = params if isinstance(params, list) else [params] * len(PROMPTS)
     # The first prompt alone, then the rest: the second finds the first's blocks cached.
@@ -66,10 +67,11 @@ def test_sampled_tokens_and_logprobs_match_torch_backend(tiny_folder):
                 assert abs(row_a[t] - row_b[t]) < 1e-4
 
 
-def test_greedy_tokens_match_torch_backend(tiny_folder):
+@pytest.mark.parametrize("kv", ["auto", "fp8", "int8"])
+def test_greedy_tokens_match_torch_backend(tiny_folder, kv):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    ref, _ = run(tiny_folder, "torch", params)
-    out, _ = run(tiny_folder, "triton", params)
+    ref, _ = run(tiny_folder, "torch", params, kv_cache_dtype=kv)
+    out, _ = run(tiny_folder, "triton", params, kv_cache_dtype=kv)
     assert [o.outputs[0].token_ids for o in ref] == [o.outputs[0].token_ids for o in out]
 
 

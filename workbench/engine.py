@@ -68,8 +68,7 @@ class LLMEngine:
         self.cache = PagedKVCache(self.model_args, config.num_kv_blocks, config.block_size,
                                   self.dtype, self.device, config.num_cpu_blocks,
                                   kv_cache_dtype=config.kv_cache_dtype)
-        self.backend = get_attention_backend(config.attention_backend, self.device,
-                                             config.kv_cache_dtype)
+        self.backend = get_attention_backend(config.attention_backend, self.device)
         self.scheduler = Scheduler(config, self.blocks)
         self.runner = ModelRunner(self.model, self.cache, self.blocks, self.backend, self.device)
         self.sampler = Sampler(config.seed)

@@ -35,15 +35,9 @@ from .torch_backend import TorchAttention
 BACKENDS = ("torch", "triton")
 
 
-def get_attention_backend(name: str, device: torch.device, kv_cache_dtype: str = "auto"):
-    quantized_kv = kv_cache_dtype != "auto"
+def get_attention_backend(name: str, device: torch.device):
     if name == "auto":
-        name = ("triton" if device.type == "cuda" and _triton_available() and not quantized_kv
-                else "torch")
-    if name == "triton" and quantized_kv:
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported by "
-                         "attention_backend='triton' yet (its kernels read the model's dtype): "
-                         "use attention_backend='torch' or kv_cache_dtype='auto'")
+        name = "triton" if device.type == "cuda" and _triton_available() else "torch"
     if name == "torch":
         return TorchAttention()
     if name == "triton":

@@ -5,8 +5,9 @@
 - Any step with a prompt or a chunk of one goes to flash_attention_varlen in its paged form: every
   sequence's new queries, packed, attend causally (bottom-right) to all of the sequence's keys in
   the cache. Decode rows in a mixed step are just sequences with one query.
-New keys and values are written into the cache first (one index_copy_ per tensor), so the kernels
-read this step's tokens from the cache like all earlier ones.
+New keys and values are written into the cache first (one index_copy_ per tensor, quantized to
+FP8/INT8 rows first if the cache holds them), so the kernels read this step's tokens from the cache
+like all earlier ones, dequantizing quantized rows as they load them.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class TritonAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.kv_cache_dtype)
         num_tokens, num_heads, head_dim = q.shape
         if meta.is_decode_only:
             if meta.plan is None:   # same for every layer of the step
@@ -38,9 +39,10 @@ class TritonAttention:
                                                 q.device)
             out = self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                meta.block_size, sm_scale=scale, num_splits=meta.plan,
-                               max_seq_len=meta.max_seq_len)
+                               max_seq_len=meta.max_seq_len, kv_cache_dtype=meta.kv_cache_dtype)
         else:
             out = self._prefill(q, k_cache, v_cache, meta.query_start_loc, meta.max_query_len,
                                 seq_lens_k=meta.seq_lens, block_table=meta.block_tables,
-                                block_size=meta.block_size, causal=True, sm_scale=scale)
+                                block_size=meta.block_size, causal=True, sm_scale=scale,
+                                kv_cache_dtype=meta.kv_cache_dtype)
         return out.view(num_tokens, num_heads * head_dim)
