@@ -110,6 +110,16 @@ def compile_all(dtype: str = "bf16") -> list[Compiled]:
             _rotary, "rotary", {"Q": ptr, "K": ptr, "positions": "*i64", "Cos": "*fp32",
                                 "Sin": "*fp32"}, set(),
             dict(HALF=head_dim // 2, BLOCK_H=32), 4, 1))
+    # head_dim 256 in bf16 and head_dim 128 in fp32: the widest rows, the smallest tiles.
+    for head_dim, dt, ty in ((256, torch.bfloat16, ptr), (128, torch.float32, "*fp32")):
+        block_m, block_n, warps, stages = _tile_sizes(head_dim, gpu, False, dt)
+        results.append(compile_one(
+            _flash_attention_fwd, "flash_attention",
+            {"Q": ty, "K": ty, "V": ty, "Out": ty, "cu_seqlens_q": "*i64",
+             "cu_seqlens_k": "*i64", "seq_lens_k": "*i64", "block_table": "*i64"}, {"qk_scale"},
+            dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=True, VARLEN=False,
+                 PAGED=False, PAGE=16, PRECISION="ieee" if dt == torch.float32 else "tf32",
+                 KV_QUANT=0), warps, stages))
     # Quantized KV caches (FP8 = 2, INT8 = 1): uint8 rows of codes + scale.
     block_m, block_n, warps, stages = _tile_sizes(128, gpu, True)
     for code in (1, 2):

@@ -135,8 +135,9 @@ def _flash_attention_fwd(
         PRECISION: tl.constexpr, KV_QUANT: tl.constexpr = 0):
     # One program = one tile of BLOCK_M queries of one (sequence, head).
     tile = tl.program_id(0)
-    seq = tl.program_id(1) // num_heads
-    head = tl.program_id(1) % num_heads
+    # 64-bit batch/head offsets: seq * stride_qb overflows 32 bits past 2^31 elements.
+    seq = (tl.program_id(1) // num_heads).to(tl.int64)
+    head = (tl.program_id(1) % num_heads).to(tl.int64)
     kv_head = head // group_size
     if VARLEN:
         q_start = tl.load(cu_seqlens_q + seq)
@@ -159,8 +160,8 @@ def _flash_attention_fwd(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    q_ptrs = (Q + seq * stride_qb + head * stride_qh
-              + (q_start + offs_m)[:, None] * stride_qm + offs_d[None, :])
+    q_rows = q_start + offs_m      # 32-bit: a row offset stays below the tensor's element count
+    q_ptrs = Q + seq * stride_qb + head * stride_qh + q_rows[:, None] * stride_qm + offs_d[None, :]
     q = tl.load(q_ptrs, mask=offs_m[:, None] < q_len, other=0.0)
     k_base = seq * stride_kb + kv_head * stride_kh
     v_base = seq * stride_vb + kv_head * stride_vh
@@ -190,22 +191,28 @@ def _flash_attention_fwd(
                                   True, CAUSAL, PAGED, PAGE, BLOCK_N, PRECISION,
                                   KV_QUANT, HEAD_DIM)
     out = acc / l_i[:, None]
-    o_ptrs = (Out + seq * stride_ob + head * stride_oh
-              + (q_start + offs_m)[:, None] * stride_om + offs_d[None, :])
+    o_ptrs = Out + seq * stride_ob + head * stride_oh + q_rows[:, None] * stride_om + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_m[:, None] < q_len)
 
 
-def _tile_sizes(head_dim: int, device: torch.device, varlen: bool = False
-                ) -> tuple[int, int, int, int]:
+def _tile_sizes(head_dim: int, device: torch.device, varlen: bool = False,
+                dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). Small tiles in the interpreter (each program is
     numpy work, and small tiles hit more edge cases). On a GPU: 128x64 tiles over 8 warps keep the
     tensor cores fed; the variable-length/paged form gathers key rows through per-row pointers,
-    which costs registers, so at head_dim 128 it uses 64-row query tiles. These were chosen without
-    a GPU, from ptxas's register and spill counts (python -m kernels.compile_check): no spills
-    except at head_dim 128 in the variable-length forms (56 bytes paged, 400 packed). Tune them with `python -m workbench.bench
-    kernels` on the GPU you have."""
+    which costs registers, so at head_dim 128 it uses 64-row query tiles; 4-byte elements and
+    head_dim 256 take smaller tiles so the staged K/V tiles fit in shared memory. These were chosen
+    without a GPU, from ptxas's register, spill and shared-memory counts (python -m
+    kernels.compile_check): no spills in bf16 dense attention at head_dim 64 and 128 and in paged
+    decode; some in the variable-length forms at head_dim 128 (tens to hundreds of bytes), at head
+    dim 256, and in fp32 (kilobytes). Tune them with `python -m workbench.bench kernels`."""
     if device.type != "cuda":
         return 16, 16, 4, 1
+    elem = torch.empty((), dtype=dtype).element_size()
+    if elem == 4 and head_dim > 64:      # fp32 (exact fp32 dots, no tensor cores): correctness path
+        return 32, 32, 4, 2
+    if head_dim > 128:
+        return 64, 32, 8, 2
     if varlen and head_dim > 64:
         return 64, 64, 8, 3
     return 128, 64, 8, 3
@@ -262,7 +269,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out = torch.empty_like(q)
     scale = head_dim ** -0.5 if sm_scale is None else sm_scale
-    block_m, block_n, warps, stages = _tile_sizes(head_dim, q.device)
+    block_m, block_n, warps, stages = _tile_sizes(head_dim, q.device, dtype=q.dtype)
     grid = (triton.cdiv(seq_q, block_m), batch * heads)
     _flash_attention_fwd[grid](
         q, k, v, out, q, q, q, q,
@@ -303,9 +310,15 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError(f"block_size={block_size} must be positive and divide the cache's "
                          f"{k.shape[0]} slots")
     num_seqs = cu_seqlens_q.numel() - 1
+    if causal and cu_seqlens_q.device.type == "cpu":   # free to check here; on a GPU it would sync
+        q_lens = cu_seqlens_q.diff()
+        kv_lens = seq_lens_k if paged else cu_seqlens_k.diff()
+        if bool((q_lens > kv_lens.to(q_lens.device)).any()):
+            raise ValueError("causal attention needs q_len <= kv_len for every sequence "
+                             f"(q_lens {q_lens.tolist()}, kv_lens {kv_lens.tolist()})")
     out = torch.empty_like(q)
     scale = head_dim ** -0.5 if sm_scale is None else sm_scale
-    block_m, block_n, warps, stages = _tile_sizes(head_dim, q.device, varlen=True)
+    block_m, block_n, warps, stages = _tile_sizes(head_dim, q.device, varlen=True, dtype=q.dtype)
     page = block_size if paged else 1
     grid = (triton.cdiv(max_seqlen_q, block_m), num_seqs * heads)
     dummy = cu_seqlens_q

@@ -186,6 +186,11 @@ def test_bad_inputs_name_the_problem():
     with pytest.raises(ValueError, match="seq_q <= seq_k"):
         flash_attention(torch.randn(1, 2, 9, 64), torch.randn(1, 2, 4, 64),
                         torch.randn(1, 2, 4, 64), causal=True)
+    q = torch.randn(5, 2, 64)
+    with pytest.raises(ValueError, match=r"q_len <= kv_len for every sequence \(q_lens \[5\], "
+                                         r"kv_lens \[3\]\)"):
+        flash_attention_varlen(q, q[:3], q[:3], torch.tensor([0, 5]), 5,
+                               cu_seqlens_k=torch.tensor([0, 3]))
     k_cache = torch.randn(40, 2, 64)
     with pytest.raises(ValueError, match="block_size=3"):
         paged_decode_attention(torch.randn(1, 2, 64), k_cache, k_cache,
