@@ -20,7 +20,7 @@ def test_every_method_and_kv_dtype_generates_under_continuous_batching(tiny_fold
     options = SMALL_CALIBRATION if method in ("gptq", "awq", "smoothquant") else None
     llm = LLM(model=str(tiny_folder), dtype="bfloat16", device="cpu", verbose=False,
               quantization=method, quantization_config=options, kv_cache_dtype=kv,
-              max_num_seqs=3, max_num_batched_tokens=16, max_model_len=128)
+              max_num_seqs=3, max_num_batched_tokens=4, max_model_len=128)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in outs] == [8] * len(PROMPTS)
     steps = llm.trace

@@ -71,7 +71,10 @@ def load_quantized(folder: Path, dtype: torch.dtype, device: torch.device,
         raise ValueError(f"dtype={str(dtype).removeprefix('torch.')!r} is invalid for this "
                          f"quantized checkpoint: it was saved in {saved_dtype!r}; load it with that")
     args = read_args(folder)
-    state = load_file(str(folder / "model.safetensors"), device=str(device))
+    # Fresh, aligned copies: tensors read out of the file can sit at any byte offset, and torch's
+    # packed CPU kernels (aten._weight_int8pack_mm) crashed on such a weight in our tests.
+    state = {k: v.clone() for k, v in load_file(str(folder / "model.safetensors"),
+                                                 device=str(device)).items()}
     with torch.device("meta"):
         model = LlamaModel(args, max_positions)
     model.to_empty(device=device)   # allocate the float parameters (unused projections too, then
