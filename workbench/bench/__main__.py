@@ -4,6 +4,8 @@ single-stream: batch 1 decode speed and achieved bandwidth vs transformers' gene
 offline-mixed: throughput on 64 mixed-length requests vs transformers in static batches of 8,
                and the KV capacity of paging vs contiguous reservation.
 kernels:       (CUDA only) FlashAttention forward TFLOP/s vs SDPA, paged decode GB/s vs copy.
+quant:         every quantization method and KV dtype vs bf16: KL, perplexity, top-1, bytes,
+               decode tok/s and GB/s (its own options: python -m workbench.bench quant --help).
 """
 from __future__ import annotations
 
@@ -20,6 +22,11 @@ WORKLOADS = {"single-stream": single_stream, "offline-mixed": offline_mixed, "ke
 
 
 def main(argv=None) -> None:
+    import sys
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["quant"]:
+        from . import quant
+        return quant.main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m workbench.bench", description=__doc__)
     ap.add_argument("workload", nargs="?", default="single-stream", choices=sorted(WORKLOADS))
     ap.add_argument("--dtypes", nargs="+", default=None,
