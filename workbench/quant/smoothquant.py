@@ -1,0 +1,197 @@
+"""SmoothQuant (Xiao et al., 2022, arXiv 2211.10438): W8A8 with the activations' outliers moved
+into the weights.
+
+Activations of LLMs have a few input channels (the same few in every token) whose values are tens
+of times larger than the rest. Per-token INT8 then spends its 255 steps on those channels and
+rounds everything else to a handful of levels. The weights have no such outliers. SmoothQuant
+divides input channel j of X by s_j and multiplies column j of W by s_j, which leaves X W^T
+unchanged, with
+
+    s_j = max|X_j|^a / max|W_j|^(1 - a)        (a = cfg.smoothquant_alpha, 0.5 by default)
+
+so that both sides end up with comparable ranges. The division costs nothing at run time: it is
+folded into the op that produces X (the folding rules are shared with AWQ):
+
+    qkv_proj      input = input_layernorm(h)           divide the norm's weight
+    gate_up_proj  input = post_attention_layernorm(h)  divide the norm's weight
+    down_proj     input = silu(gate) * up              divide the up rows of gate_up_proj
+    o_proj        input = attention output             divide the v rows of qkv_proj: possible only
+                                                       if s is the same for all query heads that
+                                                       share a kv head (GQA), so s is computed per
+                                                       kv channel from the max over those heads
+
+All four are smoothed by default (`cfg.extra["smoothquant_targets"]` picks a subset; the reference
+implementation smooths only the two norm-fed projections of Llama). Every projection then becomes a
+W8A8Linear: INT8 weights per output channel (quantize_int8) and INT8 activations per token.
+Statistics come from one pass of the unquantized model over the calibration windows.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..models.llama import LlamaArgs, LlamaModel
+from .apply import projections
+from .formats import quantize_int8
+from .forward import prefill_hidden
+from .gptq import single_thread
+from .linear import W8A8Linear
+
+TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+# ----------------------------------------------------------------------------- statistics
+@torch.no_grad()
+def collect_input_stats(model: LlamaModel, calibration: list[list[int]],
+                        names: list[str] | None = None,
+                        stat: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                        ) -> dict[str, torch.Tensor]:
+    """Per input channel, the max over calibration tokens of |x| at the input of each decoder
+    projection (or of the projections in `names`, e.g. 'layers.3.mlp.down_proj'), from one
+    prefill of the model per window. `stat(x)` replaces |x| (for example x.abs() summed)."""
+    wanted = {name: linear for name, _, _, linear in projections(model)
+              if names is None or name in names}
+    if names is not None and len(wanted) != len(set(names)):
+        known = [name for name, *_ in projections(model)][:4]
+        missing = sorted(set(names) - set(wanted))
+        raise ValueError(f"unknown projection name(s) {missing}: names look like {known}")
+    stats: dict[str, torch.Tensor] = {}
+    handles = []
+    for name, linear in wanted.items():
+        def hook(mod, inputs, name=name):
+            x = inputs[0].reshape(-1, inputs[0].shape[-1]).float()
+            value = x.abs().amax(dim=0) if stat is None else stat(x)
+            stats[name] = value if name not in stats else torch.maximum(stats[name], value)
+        handles.append(linear.register_forward_pre_hook(hook))
+    try:
+        for window in calibration:
+            prefill_hidden(model, window)
+    finally:
+        for h in handles:
+            h.remove()
+    return stats
+
+
+def input_channel_max(model: LlamaModel, calibration: list[list[int]],
+                      name: str = "layers.0.self_attn.qkv_proj") -> torch.Tensor:
+    """max |x_j| over the calibration tokens, for every input channel j of one projection: the
+    outlier channels SmoothQuant and AWQ are about."""
+    return collect_input_stats(model, calibration, [name])[name]
+
+
+# ----------------------------------------------------------------------------- folding
+@dataclass
+class LayerWeights:
+    """fp32 working copies of one decoder layer's projections and norms, so that scales are
+    folded and weights quantized without rounding to the model's dtype in between."""
+
+    qkv_proj: torch.Tensor
+    o_proj: torch.Tensor
+    gate_up_proj: torch.Tensor
+    down_proj: torch.Tensor
+    input_layernorm: torch.Tensor
+    post_attention_layernorm: torch.Tensor
+
+    @classmethod
+    def from_layer(cls, layer: nn.Module) -> "LayerWeights":
+        a, m = layer.self_attn, layer.mlp
+        return cls(*(t.detach().float().clone() for t in (
+            a.qkv_proj.weight, a.o_proj.weight, m.gate_up_proj.weight, m.down_proj.weight,
+            layer.input_layernorm.weight, layer.post_attention_layernorm.weight)))
+
+    def write_norms(self, layer: nn.Module) -> None:
+        """Copy the (divided) norm weights back into the layer, in its dtype."""
+        with torch.no_grad():
+            layer.input_layernorm.weight.copy_(self.input_layernorm)
+            layer.post_attention_layernorm.weight.copy_(self.post_attention_layernorm)
+
+    def write_float(self, layer: nn.Module) -> None:
+        """Copy everything back, projections still unquantized (to check that folding keeps the
+        layer's function)."""
+        self.write_norms(layer)
+        with torch.no_grad():
+            for attr in TARGETS:
+                owner = layer.self_attn if attr in ("qkv_proj", "o_proj") else layer.mlp
+                getattr(owner, attr).weight.copy_(getattr(self, attr))
+
+
+def gqa_shared(values: torch.Tensor, args: LlamaArgs, reduce: str = "max") -> torch.Tensor:
+    """o_proj's per-input-channel `values` (num_heads * head_dim) made equal across the query heads
+    that share a kv head, by their max or mean: the only scales that can be folded into v rows."""
+    kvh, hd = args.num_key_value_heads, args.head_dim
+    g = values.view(kvh, args.num_attention_heads // kvh, hd)
+    shared = g.amax(dim=1, keepdim=True) if reduce == "max" else g.mean(dim=1, keepdim=True)
+    return shared.expand_as(g).reshape(-1)
+
+
+def fold_scales(w: LayerWeights, target: str, s: torch.Tensor, args: LlamaArgs) -> None:
+    """Multiply input channel j of `target` by s[j] and divide the op that produces that input by
+    s[j]: in exact arithmetic the layer computes the same function."""
+    s = s.float()
+    if target == "qkv_proj":
+        w.input_layernorm /= s
+        w.qkv_proj *= s
+    elif target == "gate_up_proj":
+        w.post_attention_layernorm /= s
+        w.gate_up_proj *= s
+    elif target == "down_proj":   # down's input silu(gate) * up is linear in up
+        w.gate_up_proj[args.intermediate_size:] /= s[:, None]
+        w.down_proj *= s
+    elif target == "o_proj":      # o's input channel (head h, dim d) is v channel (h // rep, d)
+        kvh, hd = args.num_key_value_heads, args.head_dim
+        g = s.view(kvh, args.num_attention_heads // kvh, hd)
+        if not torch.equal(g, g[:, :1].expand_as(g)):
+            raise ValueError("o_proj scales differ between query heads that share a kv head: "
+                             "they cannot be folded into the v rows (make them with gqa_shared)")
+        v_start = args.num_attention_heads * hd + kvh * hd
+        w.qkv_proj[v_start:] /= g[:, 0].reshape(-1)[:, None]
+        w.o_proj *= s
+    else:
+        raise ValueError(f"target={target!r} is invalid: allowed are {', '.join(TARGETS)}")
+
+
+def previous_op_weight_absmax(w: LayerWeights, target: str) -> torch.Tensor:
+    """max over output rows of |W[:, j]| for each input channel j of `target`."""
+    return getattr(w, target).abs().amax(dim=0)
+
+
+def smoothing_scales(act_max: torch.Tensor, weight_max: torch.Tensor, alpha: float,
+                     target: str, args: LlamaArgs) -> torch.Tensor:
+    """s_j = max|X_j|^alpha / max|W_j|^(1 - alpha), shared across GQA groups for o_proj."""
+    if target == "o_proj":
+        act_max, weight_max = gqa_shared(act_max, args), gqa_shared(weight_max, args)
+    s = act_max.clamp(min=1e-5).pow(alpha) / weight_max.clamp(min=1e-5).pow(1 - alpha)
+    return s.clamp(min=1e-5)
+
+
+# ----------------------------------------------------------------------------- the model
+@torch.no_grad()
+@single_thread()
+def quantize_smoothquant(model: LlamaModel, cfg, calibration: list[list[int]]) -> None:
+    """Smooth the decoder projections of `model` by the calibration windows' activation maxima,
+    then replace each by a W8A8Linear (see the module docstring)."""
+    targets = tuple(cfg.extra.get("smoothquant_targets", TARGETS))
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown:
+        raise ValueError(f"smoothquant_targets has unknown entries {unknown}: allowed are "
+                         f"{', '.join(TARGETS)}")
+    dtype = model.embed_tokens.weight.dtype
+    stats = collect_input_stats(model, calibration)
+    for i, layer in enumerate(model.layers):
+        w = LayerWeights.from_layer(layer)
+        # Every scale is computed from the weights as loaded: o_proj's folds into v rows and
+        # down_proj's into up rows, which other targets' maxima do not read.
+        for target in targets:
+            path = ("self_attn." if target in ("qkv_proj", "o_proj") else "mlp.") + target
+            s = smoothing_scales(stats[f"layers.{i}.{path}"],
+                                 previous_op_weight_absmax(w, target), cfg.smoothquant_alpha,
+                                 target, model.args)
+            fold_scales(w, target, s, model.args)
+        w.write_norms(layer)
+        layer.self_attn.qkv_proj = W8A8Linear(quantize_int8(w.qkv_proj), dtype)
+        layer.self_attn.o_proj = W8A8Linear(quantize_int8(w.o_proj), dtype)
+        layer.mlp.gate_up_proj = W8A8Linear(quantize_int8(w.gate_up_proj), dtype)
+        layer.mlp.down_proj = W8A8Linear(quantize_int8(w.down_proj), dtype)
