@@ -54,6 +54,14 @@ def test_bad_quantization_arguments_are_named():
     with pytest.raises(ValueError, match="group_size=100 is invalid"):
         LLM(model="random:tiny", quantization="int4", quantization_config={"group_size": 100},
             verbose=False)
+    bad = [("smoothquant_alpha", 1.5, r"in \[0, 1\]"), ("gptq_act_order", "yes", "a bool"),
+           ("awq_grid", 0, "a positive int"), ("gptq_percdamp", 0.0, r"in \(0, 1\)"),
+           ("smoothquant_targets", ["q_proj"], "a list drawn from")]
+    for key, value, allowed in bad:
+        with pytest.raises(ValueError, match=rf"quantization_config\['{key}'\]=.* is invalid: "
+                                             rf"it must be {allowed}"):
+            LLM(model="random:tiny", quantization="gptq", quantization_config={key: value},
+                verbose=False)
 
 
 @pytest.fixture(scope="module")

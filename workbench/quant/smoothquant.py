@@ -20,10 +20,14 @@ folded into the op that produces X (the folding rules are shared with AWQ):
                                                        share a kv head (GQA), so s is computed per
                                                        kv channel from the max over those heads
 
-All four are smoothed by default (`cfg.extra["smoothquant_targets"]` picks a subset; the reference
+All four are smoothed by default (`smoothquant_targets` picks a subset; the reference
 implementation smooths only the two norm-fed projections of Llama). Every projection then becomes a
 W8A8Linear: INT8 weights per output channel (quantize_int8) and INT8 activations per token.
 Statistics come from one pass of the unquantized model over the calibration windows.
+
+Measured on SmolLM2 (bf16, 16 x 128 calibration tokens, mean KL on held-out text, LM head left
+unquantized): 0.013 nats smoothing all four, 0.021 the two norm-fed ones only, 0.038 without
+smoothing. With the INT8 LM head, alpha 0.3 / 0.5 / 0.7 / 0.85 gave 0.032 / 0.016 / 0.019 / 0.024.
 """
 from __future__ import annotations
 
@@ -75,10 +79,10 @@ def collect_input_stats(model: LlamaModel, calibration: list[list[int]],
     return stats
 
 
-def input_channel_max(model: LlamaModel, calibration: list[list[int]],
-                      name: str = "layers.0.self_attn.qkv_proj") -> torch.Tensor:
-    """max |x_j| over the calibration tokens, for every input channel j of one projection: the
-    outlier channels SmoothQuant and AWQ are about."""
+def input_channel_max(model: LlamaModel, calibration: list[list[int]], name: str) -> torch.Tensor:
+    """max |x_j| over the calibration tokens, for every input channel j of one projection (`name`
+    as 'layers.11.mlp.down_proj'): the outlier channels SmoothQuant and AWQ are about. On SmolLM2,
+    down_proj inputs have the largest: layers.11's peaks at ~3300 against a median of ~0.6."""
     return collect_input_stats(model, calibration, [name])[name]
 
 
@@ -173,7 +177,7 @@ def smoothing_scales(act_max: torch.Tensor, weight_max: torch.Tensor, alpha: flo
 def quantize_smoothquant(model: LlamaModel, cfg, calibration: list[list[int]]) -> None:
     """Smooth the decoder projections of `model` by the calibration windows' activation maxima,
     then replace each by a W8A8Linear (see the module docstring)."""
-    targets = tuple(cfg.extra.get("smoothquant_targets", TARGETS))
+    targets = tuple(cfg.smoothquant_targets)
     unknown = sorted(set(targets) - set(TARGETS))
     if unknown:
         raise ValueError(f"smoothquant_targets has unknown entries {unknown}: allowed are "
@@ -182,9 +186,10 @@ def quantize_smoothquant(model: LlamaModel, cfg, calibration: list[list[int]]) -
     stats = collect_input_stats(model, calibration)
     for i, layer in enumerate(model.layers):
         w = LayerWeights.from_layer(layer)
-        # Every scale is computed from the weights as loaded: o_proj's folds into v rows and
-        # down_proj's into up rows, which other targets' maxima do not read.
-        for target in targets:
+        # In this order every weight maximum is read before a fold divides those weights:
+        # o_proj's scales go into v rows after qkv_proj's maxima, down_proj's into up rows after
+        # gate_up_proj's (whose per-row INT8 scales then absorb the division exactly).
+        for target in (t for t in TARGETS if t in targets):
             path = ("self_attn." if target in ("qkv_proj", "o_proj") else "mlp.") + target
             s = smoothing_scales(stats[f"layers.{i}.{path}"],
                                  previous_op_weight_absmax(w, target), cfg.smoothquant_alpha,
