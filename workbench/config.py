@@ -96,6 +96,8 @@ class EngineConfig:
     quantization: str | None = None      # None, "int8", "int4", "gptq", "awq", "smoothquant"
     quantization_config: dict | None = None   # QuantConfig fields: group_size, quantize_lm_head...
     kv_cache_dtype: str = "auto"         # "auto" (the model's dtype), "fp8" (e4m3), "int8"
+    # Speculative decoding (workbench/spec/): {"method": ..., "num_speculative_tokens": k, ...}.
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
         self.torch_device = resolve_device(self.device)
@@ -111,6 +113,10 @@ class EngineConfig:
             raise ValueError("quantization_config is set but quantization is None: choose a method")
         else:
             self.quant_config = None
+        self.spec_config = None
+        if self.speculative_config is not None:
+            from .spec.config import SpeculativeConfig
+            self.spec_config = SpeculativeConfig.from_dict(self.speculative_config)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is invalid: allowed are "
                              + ", ".join(repr(d) for d in KV_CACHE_DTYPES))

@@ -6,6 +6,9 @@
     inputs = runner.prepare(batch)         packed token ids, positions, attention metadata
     logits = runner.forward(inputs)        one forward pass for the whole batch
     tokens = sampler(logits)               one new token per sequence that finished its prompt
+                                           (speculative decoding: the drafter proposes k tokens
+                                           after scheduling; verify() keeps a prefix of them, plus
+                                           one token, and the rejected slots are given back)
     output_processor.append_token(...)     detokenize, check stop conditions, finish
     scheduler.free_finished()              finished sequences give their blocks back at once
 
@@ -33,6 +36,7 @@ from .sampler import Sampler, top_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
+from .spec.rejection import verify
 from .trace import StepRecord
 
 
@@ -72,6 +76,10 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.blocks)
         self.runner = ModelRunner(self.model, self.cache, self.blocks, self.backend, self.device)
         self.sampler = Sampler(config.seed)
+        self.drafter = None
+        if config.spec_config is not None:
+            from .spec import build_drafter
+            self.drafter = build_drafter(config.spec_config, self)
         self.output_processor = OutputProcessor(self.tokenizer, self._eos_token_ids(),
                                                 config.max_model_len)
         self.trace: list[StepRecord] = []
@@ -186,6 +194,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         seq = self.scheduler.abort(request_id)
+        if self.drafter is not None:
+            self.drafter.release(request_id)
         if seq is not None:
             seq.status = SequenceStatus.FINISHED
             seq.finished_time = time.perf_counter()
@@ -208,10 +218,14 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         ops = self.blocks.take_ops()
         if batch.empty:
-            self.scheduler.free_finished()  # sequences the scheduler ended for length, if any
+            self._release_finished(self.scheduler.free_finished())   # ended for length, if any
             return []
         t1 = time.perf_counter()
         self.runner.apply_block_ops(ops)
+        if self.drafter is not None:
+            self.drafter.apply_block_ops(ops)
+            self._draft(batch)
+        t_draft = time.perf_counter()
         input_ids, positions, meta = self.runner.prepare(batch)
         t2 = time.perf_counter()
         out = self.runner.forward(input_ids, positions, meta, batch)
@@ -219,19 +233,36 @@ class LLMEngine:
             torch.cuda.synchronize()  # else forward_s would time only the kernel launches
         t3 = time.perf_counter()
         sampled = [batch.seqs[i] for i in out.sample_indices]
-        sample = self.sampler(out.logits, [s.params for s in sampled],
-                              [s.generator for s in sampled]) if sampled else None
+        emitted = self._sample(sampled, out.logits)
         t4 = time.perf_counter()
+        spec = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             if i in out.prompt_logprobs:
                 self._extend_prompt_logprobs(seq, *out.prompt_logprobs[i])
             seq.num_computed_tokens += n
-            if self.blocks.enable_prefix_caching:  # all_token_ids copies the sequence: skip it
+        for seq, (tokens, infos, accepted) in zip(sampled, emitted):
+            drafted = len(seq.spec_token_ids)
+            if drafted:
+                # The K/V of rejected drafts were written but are not the sequence's: forget them.
+                seq.num_computed_tokens -= drafted - accepted
+                self._record_speculation(seq, drafted, accepted)
+                spec.append((seq.request_id, drafted, accepted))
+            for token, info in zip(tokens, infos):
+                self.output_processor.append_token(seq, token, info)
+                if seq.is_finished:
+                    break
+            if seq.num_lookahead:
+                seq.spec_token_ids, seq.spec_probs = [], None
+                if not seq.is_finished:    # the blocks of rejected (or never drafted) slots go back
+                    self.blocks.trim(seq.request_id, seq.num_tokens)
+                    if hasattr(self.drafter, "rollback"):
+                        self.drafter.rollback(seq)
+        if self.blocks.enable_prefix_caching:   # after the appends: accepted drafts are tokens now
+            for seq in batch.seqs:
                 self.blocks.index_full_blocks(seq.request_id, seq.all_token_ids,
-                                              seq.num_computed_tokens)
-        for j, seq in enumerate(sampled):
-            self.output_processor.append_token(seq, sample.token_ids[j], sample.logprobs[j])
+                                              min(seq.num_computed_tokens, seq.num_tokens))
         finished = self.scheduler.free_finished()
+        self._release_finished(finished)
         t5 = time.perf_counter()
         pool = self.blocks.pool
         self.trace.append(StepRecord(
@@ -251,9 +282,76 @@ class LLMEngine:
             finished=[s.request_id for s in finished],
             block_tables={r: list(t) for r, t in self.blocks.tables.items()}
             if self.config.record_block_tables else None,
-            schedule_s=t1 - t0, prepare_s=t2 - t1, forward_s=t3 - t2, sample_s=t4 - t3,
-            postprocess_s=t5 - t4, total_s=t5 - t0))
+            spec=spec, num_draft_tokens=sum(d for _, d, _ in spec),
+            num_accepted_tokens=sum(a for _, _, a in spec),
+            schedule_s=t1 - t0, draft_s=t_draft - t1, prepare_s=t2 - t_draft, forward_s=t3 - t2,
+            sample_s=t4 - t3, postprocess_s=t5 - t4, total_s=t5 - t0))
         return batch.seqs
+
+    # ----------------------------------------------------------------------------- speculation
+    def _draft(self, batch) -> None:
+        """Ask the drafter for the drafts the scheduler made room for; a sequence may get fewer
+        (n-gram found no match), and then feeds fewer tokens (its spare block goes back after
+        verification)."""
+        idx = [i for i, s in enumerate(batch.seqs) if s.num_lookahead > 0]
+        if not idx:
+            return
+        seqs = [batch.seqs[i] for i in idx]
+        drafts = self.drafter.propose(seqs, [s.num_lookahead for s in seqs],
+                                      [self.blocks.tables[s.request_id] for s in seqs])
+        for i, seq, d in zip(idx, seqs, drafts):
+            seq.spec_token_ids, seq.spec_probs = d.token_ids, d.probs
+            unused = seq.num_lookahead - len(d.token_ids)
+            batch.num_new_tokens[i] -= unused
+            batch.num_lookahead_tokens -= unused
+
+    def _sample(self, sampled: list[Sequence], logits: torch.Tensor):
+        """Per sampled sequence: (tokens to append, their logprob infos, drafts accepted). Plain
+        sequences go through the sampler together; sequences with drafts are verified."""
+        rows, r = [], 0
+        for seq in sampled:
+            rows.append(r)
+            r += 1 + len(seq.spec_token_ids)
+        results = [None] * len(sampled)
+        plain = [j for j, s in enumerate(sampled) if not s.spec_token_ids]
+        if plain:
+            sample = self.sampler(logits[[rows[j] for j in plain]],
+                                  [sampled[j].params for j in plain],
+                                  [sampled[j].generator for j in plain])
+            for m, j in enumerate(plain):
+                results[j] = ([sample.token_ids[m]], [sample.logprobs[m]], 0)
+        for j, seq in enumerate(sampled):
+            if results[j] is not None:
+                continue
+            k = len(seq.spec_token_ids)
+            block = logits[rows[j]:rows[j] + k + 1]
+            v = verify(block, seq.spec_token_ids, seq.spec_probs, seq.params,
+                       seq.generator or self.sampler.generator)
+            infos = [None] * len(v.token_ids)
+            if seq.params.logprobs is not None:
+                lps = torch.log_softmax(block, dim=-1).cpu()
+                infos = [top_logprobs(lps[t], tok, seq.params.logprobs)
+                         for t, tok in enumerate(v.token_ids)]
+            results[j] = (v.token_ids, infos, v.num_accepted)
+        return results
+
+    @staticmethod
+    def _record_speculation(seq: Sequence, drafted: int, accepted: int) -> None:
+        seq.spec_steps += 1
+        seq.spec_proposed += drafted
+        seq.spec_accepted += accepted
+        grow = drafted - len(seq.spec_proposed_at)
+        if grow > 0:
+            seq.spec_proposed_at += [0] * grow
+            seq.spec_accepted_at += [0] * grow
+        for p in range(drafted):
+            seq.spec_proposed_at[p] += 1
+            seq.spec_accepted_at[p] += p < accepted
+
+    def _release_finished(self, finished: list[Sequence]) -> None:
+        if self.drafter is not None:
+            for seq in finished:
+                self.drafter.release(seq.request_id)
 
     def _extend_prompt_logprobs(self, seq: Sequence, first: int, logprobs: torch.Tensor) -> None:
         n_top = seq.params.prompt_logprobs

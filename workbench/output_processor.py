@@ -102,6 +102,8 @@ class OutputProcessor:
             logprobs=seq.logprobs)
         metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
                                  seq.last_token_time, seq.finished_time,
-                                 len(seq.output_token_ids))
+                                 len(seq.output_token_ids), seq.spec_steps, seq.spec_proposed,
+                                 seq.spec_accepted,
+                                 [a / p for a, p in zip(seq.spec_accepted_at, seq.spec_proposed_at)])
         return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids), [completion],
                              seq.is_finished, seq.prompt_logprobs, metrics)

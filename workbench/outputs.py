@@ -21,6 +21,23 @@ class RequestMetrics:
     last_token_time: float | None
     finished_time: float | None
     num_output_tokens: int = 0
+    # Speculative decoding (zeros without it).
+    num_spec_steps: int = 0               # verification steps (target passes with drafts)
+    num_draft_tokens: int = 0             # drafted tokens verified
+    num_accepted_tokens: int = 0          # of those, accepted
+    accepted_per_position: list[float] = field(default_factory=list)   # acceptance rate of the
+    #                                       i-th draft of a step, over the steps that had one
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens emitted per verification step: accepted drafts + the one token the target adds."""
+        if not self.num_spec_steps:
+            return None
+        return (self.num_accepted_tokens + self.num_spec_steps) / self.num_spec_steps
 
     @property
     def ttft(self) -> float | None:

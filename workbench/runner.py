@@ -23,8 +23,40 @@ from .scheduler import ScheduledBatch
 @dataclass
 class ForwardOutput:
     sample_indices: list[int]                 # which of batch.seqs get a token this step
-    logits: torch.Tensor                      # (len(sample_indices), vocab) fp32
+    logits: torch.Tensor                      # (rows, vocab) fp32: one row per sampled sequence,
+    #                                           1 + k for a sequence verifying k drafted tokens
     prompt_logprobs: dict[int, tuple[int, torch.Tensor]]  # seq index -> (first position, rows)
+
+
+def pack(rows: list[tuple[list[int], int]], tables: list[list[int]], block_size: int,
+         device: torch.device, kv_cache_dtype: str = "auto"
+         ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """One packed forward's inputs: rows[i] = (new token ids, position of the first) of sequence i,
+    whose K/V live in the blocks tables[i]. Returns token ids, positions and the metadata."""
+    ids, positions, q_lens, seq_lens = [], [], [], []
+    for tokens, start in rows:
+        ids.extend(tokens)
+        positions.extend(range(start, start + len(tokens)))
+        q_lens.append(len(tokens))
+        seq_lens.append(start + len(tokens))
+    dev, bs = device, block_size
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
+    max_seq_len = max(seq_lens)
+    # slot of position p = block_table[p // block_size] * block_size + p % block_size
+    pos = torch.arange(max_seq_len, device=dev)
+    slot_table = block_tables[:, pos // bs] * bs + pos % bs
+    positions_t = torch.tensor(positions, device=dev)
+    seq_index = torch.repeat_interleave(torch.arange(len(q_lens), device=dev),
+                                        torch.tensor(q_lens, device=dev))
+    slot_mapping = slot_table[seq_index, positions_t]
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0] + q_lens, device=dev).cumsum(0),
+        seq_lens=torch.tensor(seq_lens, device=dev), slot_mapping=slot_mapping,
+        slot_table=slot_table, max_query_len=max(q_lens), max_seq_len=max_seq_len,
+        query_lens=q_lens, seq_lens_list=seq_lens, block_tables=block_tables, block_size=bs,
+        kv_cache_dtype=kv_cache_dtype)
+    return torch.tensor(ids, device=dev), positions_t, meta
 
 
 class ModelRunner:
@@ -34,32 +66,10 @@ class ModelRunner:
         self.backend, self.device = backend, device
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        ids, positions, q_lens, seq_lens = [], [], [], []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start = seq.num_computed_tokens
-            ids.extend(seq.token_slice(start, start + n))
-            positions.extend(range(start, start + n))
-            q_lens.append(n)
-            seq_lens.append(start + n)
-        dev, bs = self.device, self.blocks.block_size
+        rows = [(seq.scheduled_tokens(seq.num_computed_tokens, n), seq.num_computed_tokens)
+                for seq, n in zip(batch.seqs, batch.num_new_tokens)]
         tables = [self.blocks.tables[s.request_id] for s in batch.seqs]
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
-        max_seq_len = max(seq_lens)
-        # slot of position p = block_table[p // block_size] * block_size + p % block_size
-        pos = torch.arange(max_seq_len, device=dev)
-        slot_table = block_tables[:, pos // bs] * bs + pos % bs
-        positions_t = torch.tensor(positions, device=dev)
-        seq_index = torch.repeat_interleave(torch.arange(len(q_lens), device=dev),
-                                            torch.tensor(q_lens, device=dev))
-        slot_mapping = slot_table[seq_index, positions_t]
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor([0] + q_lens, device=dev).cumsum(0),
-            seq_lens=torch.tensor(seq_lens, device=dev), slot_mapping=slot_mapping,
-            slot_table=slot_table, max_query_len=max(q_lens), max_seq_len=max_seq_len,
-            query_lens=q_lens, seq_lens_list=seq_lens, block_tables=block_tables, block_size=bs,
-            kv_cache_dtype=self.cache.kv_cache_dtype)
-        return torch.tensor(ids, device=dev), positions_t, meta
+        return pack(rows, tables, self.blocks.block_size, self.device, self.cache.kv_cache_dtype)
 
     def apply_block_ops(self, ops: BlockOps) -> None:
         if ops:
@@ -70,9 +80,14 @@ class ModelRunner:
                 batch: ScheduledBatch) -> ForwardOutput:
         hidden = self.model(input_ids, positions, self.cache.kv_caches, meta, self.backend)
         ends = meta.query_start_loc[1:].tolist()
-        sample = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
-                  if seq.num_computed_tokens + n == seq.num_tokens]
-        logits = self.model.compute_logits(hidden[[ends[i] - 1 for i in sample]])
+        # A sequence gets logits when this step reaches its last token; with drafted tokens, one row
+        # per draft too (row j scores draft j + 1; the last row is the bonus position).
+        sample, rows = [], []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if seq.num_computed_tokens + n == seq.num_tokens + len(seq.spec_token_ids):
+                sample.append(i)
+                rows.extend(range(ends[i] - 1 - len(seq.spec_token_ids), ends[i]))
+        logits = self.model.compute_logits(hidden[rows])
         prompt_lps = {}
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             if seq.params.prompt_logprobs is None or seq.prompt_logprobs_done:

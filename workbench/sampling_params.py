@@ -22,6 +22,8 @@ class SamplingParams:
     ignore_eos: keep generating past the end-of-sequence token (benchmarks use this).
     logprobs: return the log-probability of each sampled token and of the `logprobs` most likely ones.
     prompt_logprobs: the same for every prompt token (the first has none: nothing predicts it).
+    num_speculative_tokens: with speculative decoding on, this request's k (None: the engine's;
+        0: no speculation for this request). The output distribution does not depend on it.
     """
 
     temperature: float = 1.0
@@ -34,6 +36,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    num_speculative_tokens: int | None = None
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -56,6 +59,10 @@ class SamplingParams:
                                       or value < 0):
                 raise ValueError(f"{name}={value!r} is invalid: it must be None or an integer >= 0 "
                                  "(how many top alternatives to return besides the chosen token)")
+        k = self.num_speculative_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 16):
+            raise ValueError(f"num_speculative_tokens={k!r} is invalid: it must be None (the "
+                             "engine's setting) or an integer in [0, 16] (0: no speculation)")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed={self.seed!r} is invalid: it must be None or an integer")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

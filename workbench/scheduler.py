@@ -15,6 +15,13 @@ prompt, a chunk of one, or the one token sampled last step), and each step hands
    new ones first reuse the blocks of any cached prefix (prefix caching).
 A sequence whose last prefill chunk ran gets a token sampled; one in the middle of its prompt
 does not.
+
+Speculative decoding: a decoding sequence may get 1 + k tokens instead of 1, its last token plus
+k lookahead slots for drafted tokens (`seq.num_lookahead`; the engine asks the drafter for the
+drafts after scheduling). k is the request's (or the engine's) num_speculative_tokens, cut to the
+budget, the context and the request's remaining max_tokens; the blocks for the lookahead are
+allocated like any others, and if the pool is short the lookahead is dropped before anybody is
+preempted. Drafted tokens count against max_num_batched_tokens.
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ class ScheduledBatch:
     num_new_tokens: list[int]        # tokens each sequence feeds through the model this step
     num_prefill_tokens: int          # prompt (or recomputed) tokens among them
     num_decode_tokens: int           # one per sequence that is generating
+    num_lookahead_tokens: int = 0    # slots for drafted tokens (speculative decoding)
     preempted: list[Sequence] = field(default_factory=list)
     prefix_hit_tokens: int = 0       # tokens new sequences took from the prefix cache this step
 
@@ -78,6 +86,10 @@ class Scheduler:
                 i += 1
                 continue
             while not self.blocks.allocate(seq.request_id, seq.num_computed_tokens, n):
+                if seq.num_lookahead:               # drop the speculation before preempting
+                    n -= seq.num_lookahead
+                    seq.num_lookahead = 0
+                    continue
                 if len(self.running) == 1:          # alone and still too big: it can never fit
                     self._end_for_length(seq)
                     break
@@ -94,17 +106,33 @@ class Scheduler:
             self._admit(batch, budget)
         return batch
 
-    def _tokens_for(self, seq: Sequence, budget: int) -> int:
+    def _tokens_for(self, seq: Sequence, budget: int, lookahead: bool = True) -> int:
         n = seq.num_uncomputed_tokens
+        seq.num_lookahead = 0
         if n <= budget:
-            return n
+            if lookahead and n == 1 and seq.output_token_ids:
+                seq.num_lookahead = self._lookahead(seq, budget - 1)
+            return n + seq.num_lookahead
         return budget if self.config.enable_chunked_prefill else 0
+
+    def _lookahead(self, seq: Sequence, spare_budget: int) -> int:
+        """Drafts for a decoding sequence: its k, within the budget; the step emits at most k + 1
+        tokens, which must fit the context and the request's max_tokens."""
+        if self.config.spec_config is None:
+            return 0
+        k = seq.params.num_speculative_tokens
+        if k is None:
+            k = self.config.spec_config.num_speculative_tokens
+        room = min(self.config.max_model_len - seq.num_tokens,
+                   seq.params.max_tokens - len(seq.output_token_ids)) - 1
+        return max(0, min(k, spare_budget, room))
 
     def _add(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
-        if seq.num_computed_tokens >= seq.num_prompt_tokens and n == 1:
+        if seq.num_computed_tokens >= seq.num_prompt_tokens and n == 1 + seq.num_lookahead:
             batch.num_decode_tokens += 1
+            batch.num_lookahead_tokens += seq.num_lookahead
         else:
             batch.num_prefill_tokens += n
 
@@ -112,7 +140,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.status == SequenceStatus.SWAPPED:
-                n = self._tokens_for(seq, budget)
+                n = self._tokens_for(seq, budget, lookahead=False)
                 if n == 0 or not self.blocks.can_swap_in(seq.request_id,
                                                          seq.num_computed_tokens + n):
                     if not self.running and n > 0:   # even an empty pool cannot hold it
@@ -127,7 +155,7 @@ class Scheduler:
                     self.blocks.cached_prefix(seq.all_token_ids)
                 num_cached = len(hits) * self.blocks.block_size
                 seq.num_computed_tokens = num_cached
-                n = self._tokens_for(seq, budget)
+                n = self._tokens_for(seq, budget, lookahead=False)
                 if n == 0 or not self.blocks.allocate(seq.request_id, num_cached, n, hits):
                     seq.num_computed_tokens = 0
                     if not self.running and n > 0:   # even an empty pool cannot hold it
@@ -149,6 +177,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Take the sequence's blocks away; it waits at the head of its priority class."""
         seq.num_preemptions += 1
+        seq.num_lookahead = 0
         if self.config.preemption_mode == "swap" and self.blocks.can_swap_out(seq.request_id):
             self.blocks.swap_out(seq.request_id)
             seq.status = SequenceStatus.SWAPPED

@@ -45,6 +45,15 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # Speculative decoding (spec/): tokens drafted for this step, not yet part of the output.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: torch.Tensor | None = None    # (len(spec_token_ids), vocab) q, or None: one-hot
+    num_lookahead: int = 0                    # drafts the scheduler made room for this step
+    spec_proposed: int = 0                    # drafted tokens verified, over the whole request
+    spec_accepted: int = 0                    # of those, accepted
+    spec_accepted_at: list[int] = field(default_factory=list)   # accepted count per draft position
+    spec_proposed_at: list[int] = field(default_factory=list)   # verified count per draft position
+    spec_steps: int = 0                       # verification steps
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -64,6 +73,12 @@ class Sequence:
         if start >= n:
             return self.output_token_ids[start - n:end - n]
         return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    def scheduled_tokens(self, start: int, n: int) -> list[int]:
+        """The n tokens fed to the model from position `start`: cached tokens, then drafts."""
+        tokens = self.token_slice(start, min(start + n, self.num_tokens))
+        extra = start + n - self.num_tokens
+        return tokens + self.spec_token_ids[:extra] if extra > 0 else tokens
 
     @property
     def is_finished(self) -> bool:

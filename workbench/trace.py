@@ -27,6 +27,7 @@ class StepRecord:
     blocks_copied: int         # copy-on-write copies
     prefix_hit_tokens: int     # prompt tokens taken from the prefix cache this step
     schedule_s: float          # time spent choosing what runs
+    draft_s: float             # the drafter proposing tokens (speculative decoding; else 0)
     prepare_s: float           # block copies, input tensors and metadata
     forward_s: float           # the model's forward pass and the LM head
     sample_s: float            # sampling
@@ -36,6 +37,10 @@ class StepRecord:
     preempted: list[str] = field(default_factory=list)
     sampled: list[str] = field(default_factory=list)   # requests that received a token
     finished: list[str] = field(default_factory=list)
+    # Speculative decoding: (request id, drafted tokens verified, accepted) per verified sequence.
+    spec: list[tuple[str, int, int]] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     # With EngineConfig.record_block_tables: request id -> its block ids after this step.
     block_tables: dict[str, list[int]] | None = None
 

@@ -156,6 +156,18 @@ class BlockManager:
             table.append(self.pool.allocate())
         return True
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Give back the blocks past those that the sequence's first `num_tokens` tokens need: the
+        lookahead blocks of drafted tokens that verification rejected. (Rejected slots inside a
+        kept block are simply overwritten later; they are never indexed, because only computed
+        positions are.) A contiguous reservation keeps its reserved blocks."""
+        table = self.tables.get(request_id)
+        if table is None:
+            return
+        keep = self.blocks_for(max(num_tokens, self.reserve_tokens or 0))
+        while len(table) > keep:
+            self.pool.release(table.pop())
+
     def free(self, request_id: str) -> None:
         """Release every block the sequence holds, last block first: blocks near the end of a
         sequence are the least likely to be shared, so they become the first eviction candidates."""

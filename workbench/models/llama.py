@@ -209,11 +209,13 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                backend) -> torch.Tensor:
+                backend, num_layers: int | None = None) -> torch.Tensor:
+        """num_layers: run only the first layers, then the final norm (an early exit: the
+        layer-skip drafter of spec/)."""
         x = self.embed_tokens(input_ids)
         rope = backend.ops.rope_inputs(self.rotary, positions, x.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers[:num_layers], kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, meta, backend)
         return backend.ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)[0]
 

@@ -1,0 +1,71 @@
+"""Speculative decoding: a drafter guesses k tokens, the target verifies them in one forward pass.
+
+    config.py         SpeculativeConfig (vLLM's speculative_config shape), validated once
+    proposer.py       Draft; NgramProposer (prompt lookup)
+    model_drafter.py  ModelDrafter: quantized_self, layer_skip, draft_model
+    rejection.py      verification: rejection sampling (lossless), argmax match for greedy
+    distill.py        make a small draft model from the target (sequence-level + logit KL)
+
+The engine (engine.py) drafts for the sequences the scheduler gave lookahead slots, feeds
+1 + k tokens per such sequence through the target, verifies, keeps the accepted positions and
+gives back the blocks of the rejected ones (kv/block_manager.py: trim).
+"""
+from __future__ import annotations
+
+import copy
+
+from .config import METHODS, SpeculativeConfig
+from .model_drafter import ModelDrafter
+from .proposer import Draft, NgramProposer
+
+__all__ = ["METHODS", "SpeculativeConfig", "Draft", "NgramProposer", "ModelDrafter",
+           "build_drafter"]
+
+
+def build_drafter(cfg: SpeculativeConfig, engine):
+    """The drafter `cfg` describes, built next to the engine's target model and KV cache."""
+    from ..kv.paged_cache import PagedKVCache
+    if cfg.method == "ngram":
+        return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+    config, target = engine.config, engine.model
+    common = dict(block_size=config.block_size, backend=engine.backend, device=engine.device,
+                  kv_cache_dtype=config.kv_cache_dtype, generator=engine.sampler.generator)
+    num_target_layers = engine.model_args.num_hidden_layers
+    if cfg.method == "layer_skip":
+        n = cfg.draft_num_layers or max(1, num_target_layers // 3)
+        if n >= num_target_layers:
+            raise ValueError(f"speculative_config['draft_num_layers']={n} is invalid: the target "
+                             f"has {num_target_layers} layers; the draft must use fewer")
+        return ModelDrafter(target, engine.cache.kv_caches, None, num_layers=n, **common)
+    if cfg.method == "quantized_self":
+        if engine.quantization is not None:
+            raise ValueError("speculative_config['method']='quantized_self' is invalid for a "
+                             f"target that is already quantized ({engine.quantization!r}): the "
+                             "draft is quantized from the target's unquantized weights")
+        from ..quant.apply import QuantConfig
+        qcfg = QuantConfig.from_args(cfg.draft_quantization, cfg.draft_quantization_config)
+        model = copy.deepcopy(target)
+        calibration = None
+        if qcfg.method in ("gptq", "awq", "smoothquant"):
+            from ..quant.calibration import calibration_windows
+            calibration = calibration_windows(engine.tokenizer, qcfg.num_calibration_windows,
+                                              qcfg.calibration_window_len)
+        from ..quant.apply import quantize_model
+        quantize_model(model, qcfg, calibration)
+        args = engine.model_args
+    else:
+        from ..models.loader import load_model, read_args, resolve_checkpoint
+        folder = resolve_checkpoint(cfg.model)
+        args = read_args(folder)
+        if args.vocab_size != engine.model_args.vocab_size:
+            raise ValueError(f"speculative_config['model']={cfg.model!r} is invalid: its "
+                             f"vocabulary has {args.vocab_size} tokens, the target's "
+                             f"{engine.model_args.vocab_size}; a draft must share the tokenizer")
+        if args.max_position_embeddings < config.max_model_len:
+            raise ValueError(f"speculative_config['model']={cfg.model!r} is invalid: it handles "
+                             f"{args.max_position_embeddings} positions, fewer than "
+                             f"max_model_len={config.max_model_len}")
+        model = load_model(folder, engine.dtype, engine.device, config.max_model_len)
+    cache = PagedKVCache(args, config.num_kv_blocks, config.block_size, engine.dtype,
+                         engine.device, config.num_cpu_blocks, kv_cache_dtype=config.kv_cache_dtype)
+    return ModelDrafter(model, cache.kv_caches, cache, **common)
