@@ -235,7 +235,7 @@ class LLMEngine:
         sampled = [batch.seqs[i] for i in out.sample_indices]
         emitted = self._sample(sampled, out.logits)
         t4 = time.perf_counter()
-        spec = []
+        spec, spec_tokens = [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             if i in out.prompt_logprobs:
                 self._extend_prompt_logprobs(seq, *out.prompt_logprobs[i])
@@ -247,6 +247,7 @@ class LLMEngine:
                 seq.num_computed_tokens -= drafted - accepted
                 self._record_speculation(seq, drafted, accepted)
                 spec.append((seq.request_id, drafted, accepted))
+                spec_tokens.append((seq.request_id, list(seq.spec_token_ids), list(tokens)))
             for token, info in zip(tokens, infos):
                 self.output_processor.append_token(seq, token, info)
                 if seq.is_finished:
@@ -282,7 +283,7 @@ class LLMEngine:
             finished=[s.request_id for s in finished],
             block_tables={r: list(t) for r, t in self.blocks.tables.items()}
             if self.config.record_block_tables else None,
-            spec=spec, num_draft_tokens=sum(d for _, d, _ in spec),
+            spec=spec, spec_tokens=spec_tokens, num_draft_tokens=sum(d for _, d, _ in spec),
             num_accepted_tokens=sum(a for _, _, a in spec),
             schedule_s=t1 - t0, draft_s=t_draft - t1, prepare_s=t2 - t_draft, forward_s=t3 - t2,
             sample_s=t4 - t3, postprocess_s=t5 - t4, total_s=t5 - t0))

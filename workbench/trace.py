@@ -39,6 +39,9 @@ class StepRecord:
     finished: list[str] = field(default_factory=list)
     # Speculative decoding: (request id, drafted tokens verified, accepted) per verified sequence.
     spec: list[tuple[str, int, int]] = field(default_factory=list)
+    # ... and the tokens themselves: (request id, drafted token ids, token ids emitted this step:
+    # the accepted drafts, then the target's own token).
+    spec_tokens: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     # With EngineConfig.record_block_tables: request id -> its block ids after this step.
