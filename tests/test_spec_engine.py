@@ -71,6 +71,10 @@ def test_greedy_speculation_is_token_identical(name, reference):
     assert drafted == sum(r.num_draft_tokens for r in m)
     assert sum(r.num_accepted_tokens for r in llm.trace) == sum(r.num_accepted_tokens for r in m)
     assert llm.engine.blocks.pool.num_used == 0
+    stats = llm.stats()
+    assert stats["spec_draft_tokens"] == drafted and stats["spec_method"] == name
+    k = DRAFTERS[name]["num_speculative_tokens"]
+    assert 1 <= len(stats["spec_accepted_per_position"]) <= k
     if name != "ngram":
         return
     # Prefix caching with speculation: the same prompts again hit the cache and agree again.

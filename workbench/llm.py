@@ -73,7 +73,29 @@ class LLM:
                 "prefix_cache_queries": blocks.prefix_queries,
                 "prefix_cache_hits": blocks.prefix_hits, "prefix_cache_hit_rate": blocks.hit_rate,
                 "evictions": pool.num_evictions,
-                "preemptions": sum(r.num_preempted for r in self.engine.trace)}
+                "preemptions": sum(r.num_preempted for r in self.engine.trace),
+                **self._spec_stats()}
+
+    def _spec_stats(self) -> dict:
+        """Speculative decoding since the engine started, from the step records."""
+        if self.engine.drafter is None:
+            return {}
+        verifications = [v for r in self.engine.trace for v in r.spec]
+        drafted = sum(d for _, d, _ in verifications)
+        accepted = sum(a for _, _, a in verifications)
+        width = max((d for _, d, _ in verifications), default=0)
+        at = [[0, 0] for _ in range(width)]
+        for _, d, a in verifications:
+            for p in range(d):
+                at[p][0] += 1
+                at[p][1] += p < a
+        return {"spec_method": self.engine.config.spec_config.method,
+                "spec_verifications": len(verifications), "spec_draft_tokens": drafted,
+                "spec_accepted_tokens": accepted,
+                "spec_acceptance_rate": accepted / drafted if drafted else None,
+                "spec_mean_accepted_length": (accepted + len(verifications)) / len(verifications)
+                if verifications else None,
+                "spec_accepted_per_position": [a / n for n, a in at]}
 
     def get_tokenizer(self):
         return self.engine.tokenizer
