@@ -65,7 +65,7 @@ def test_greedy_speculation_is_token_identical(name, reference):
     assert m[0].num_draft_tokens > 0 and m[3].num_draft_tokens > 0
     assert len(m[3].accepted_per_position) == 1             # k = 1 for that request
     if name in ("ngram", "quantized_self"):
-        assert m[0].num_accepted_tokens > 0                 # these drafters do guess right
+        assert sum(r.num_accepted_tokens for r in m) > 0    # these drafters do guess right
     # The step records tell the same story as the per-request metrics.
     drafted = sum(r.num_draft_tokens for r in llm.trace)
     assert drafted == sum(r.num_draft_tokens for r in m)
