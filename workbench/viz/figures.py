@@ -46,6 +46,18 @@ def add_caption(fig: go.Figure, text: str) -> go.Figure:
     return fig
 
 
+def finish_with_top_legend(fig: go.Figure, caption: str, legend_rows: int = 1) -> go.Figure:
+    """Caption under the plot (add_caption); the legend sits between the title and the plot."""
+    add_caption(fig, caption)
+    top = 96 + 20 * legend_rows
+    height = (fig.layout.height or 430) + top - (fig.layout.margin.t or 90)
+    plot_h = height - top - (fig.layout.margin.b or 80)
+    fig.update_layout(height=height, margin=dict(t=top),
+                      title=dict(y=1 - 18 / height, yref="container", yanchor="top"),
+                      legend=dict(y=1 + 34 / plot_h, yanchor="bottom"))
+    return fig
+
+
 def rolling_median(values: Sequence[float], window: int = 9) -> list[float]:
     """Median over a centred window: a noise-resistant trend line for per-step timings."""
     half = max(window, 1) // 2

@@ -20,6 +20,7 @@ import torch
 from plotly.subplots import make_subplots
 
 from .figures import PALETTE, _layout, add_caption
+from .figures import finish_with_top_legend as _finish
 
 MB = 1e6
 FORMAT_COLORS = {"fp32": "#7f7f7f", "bf16": "#1f77b4", "fp8 e4m3": "#9467bd", "int8": "#2ca02c",
@@ -43,18 +44,6 @@ def _log_ticks(lo: float, hi: float, floor_label: str | None = None) -> dict:
     if floor_label is not None:
         text[0] = floor_label
     return dict(tickvals=vals, ticktext=text)
-
-
-def _finish(fig: go.Figure, caption: str, legend_rows: int = 1) -> go.Figure:
-    """Caption under the plot; the legend sits between the title and the plot."""
-    add_caption(fig, caption)
-    top = 96 + 20 * legend_rows
-    height = (fig.layout.height or 430) + top - (fig.layout.margin.t or 90)
-    plot_h = height - top - (fig.layout.margin.b or 80)
-    fig.update_layout(height=height, margin=dict(t=top),
-                      title=dict(y=1 - 18 / height, yref="container", yanchor="top"),
-                      legend=dict(y=1 + 34 / plot_h, yanchor="bottom"))
-    return fig
 
 
 # ------------------------------------------------------------------------------ tensor helpers

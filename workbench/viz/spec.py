@@ -21,6 +21,7 @@ import torch
 from plotly.subplots import make_subplots
 
 from .figures import PALETTE, _layout, add_caption
+from .figures import finish_with_top_legend as _finish
 
 TARGET_COLOR = "#1f77b4"
 DRAFT_COLOR = "#ff7f0e"
@@ -32,18 +33,6 @@ TOKEN_KINDS = (("accepted draft", "#98df8a"), ("rejected draft (first mismatch)"
                ("discarded (after a rejection)", "#e5e5e5"),
                ("bonus: the target's token after k accepted drafts", "#aec7e8"),
                ("correction: the target's token at the mismatch", "#ffbb78"))
-
-
-def _finish(fig: go.Figure, caption: str, legend_rows: int = 1) -> go.Figure:
-    """Caption under the plot; the legend sits between the title and the plot (as in quant.py)."""
-    add_caption(fig, caption)
-    top = 96 + 20 * legend_rows
-    height = (fig.layout.height or 430) + top - (fig.layout.margin.t or 90)
-    plot_h = height - top - (fig.layout.margin.b or 80)
-    fig.update_layout(height=height, margin=dict(t=top),
-                      title=dict(y=1 - 18 / height, yref="container", yanchor="top"),
-                      legend=dict(y=1 + 34 / plot_h, yanchor="bottom"))
-    return fig
 
 
 # ------------------------------------------------------------------------------ the arithmetic
