@@ -98,6 +98,11 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"         # "auto" (the model's dtype), "fp8" (e4m3), "int8"
     # Speculative decoding (workbench/spec/): {"method": ..., "num_speculative_tokens": k, ...}.
     speculative_config: dict | None = None
+    # Parallelism (workbench/parallel/): worker processes on torch.distributed.
+    tensor_parallel_size: int = 1        # Megatron splits of every layer, one all-reduce per half
+    pipeline_parallel_size: int = 1      # consecutive layer stages, micro-batches in flight
+    expert_parallel_size: int = 1        # experts of a moe_config model spread over ranks
+    moe_config: dict | None = None       # {"num_experts": E, "top_k": k}: the MLPs cut into experts
 
     def __post_init__(self) -> None:
         self.torch_device = resolve_device(self.device)
@@ -117,6 +122,7 @@ class EngineConfig:
         if self.speculative_config is not None:
             from .spec.config import SpeculativeConfig
             self.spec_config = SpeculativeConfig.from_dict(self.speculative_config)
+        self._check_parallel()
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is invalid: allowed are "
                              + ", ".join(repr(d) for d in KV_CACHE_DTYPES))
@@ -144,6 +150,36 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: it must be a bool")
+
+    def _check_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
+            _positive_int(name, getattr(self, name))
+        if self.moe_config is not None:
+            if not isinstance(self.moe_config, dict) or set(self.moe_config) - {"num_experts",
+                                                                                 "top_k"}:
+                raise ValueError(f"moe_config={self.moe_config!r} is invalid: it is a dict with "
+                                 "keys 'num_experts' and 'top_k'")
+            for key in ("num_experts", "top_k"):
+                _positive_int(f"moe_config['{key}']", self.moe_config.get(key))
+        if self.expert_parallel_size > 1:
+            if self.moe_config is None:
+                raise ValueError(f"expert_parallel_size={self.expert_parallel_size} is invalid "
+                                 "without experts: set moe_config={'num_experts': ..., 'top_k': ...}")
+            if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
+                raise ValueError("expert_parallel_size > 1 is invalid together with tensor or "
+                                 "pipeline parallelism here: expert parallelism replicates the "
+                                 "rest of the model")
+        if self.world_size > 1:
+            for name, value in (("speculative_config", self.speculative_config),
+                                ("quantization", self.quantization)):
+                if value is not None:
+                    raise ValueError(f"{name}={value!r} is invalid with parallel workers: the "
+                                     "parallel engine runs unquantized models without "
+                                     "speculation; set it to None or use one process")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.expert_parallel_size
 
     def finalize(self, model_max_len: int, kv_bytes_per_token: int) -> None:
         """Clamp to the model's context and size the KV pool, once both are known."""

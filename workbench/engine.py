@@ -17,6 +17,7 @@ anything is queued, so a bad request raises a ValueError and leaves the engine a
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import time
@@ -31,7 +32,8 @@ from .models.loader import load_model, load_tokenizer, read_args, resolve_checkp
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .quant.checkpoint import is_quantized_checkpoint, load_quantized, save_quantized
-from .runner import ModelRunner
+from .parallel.comm import merge_stats
+from .runner import ModelRunner, plan_step
 from .sampler import Sampler, top_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -52,6 +54,41 @@ class LLMEngine:
                         kv_bytes_per_token(self.model_args, self.dtype, config.kv_cache_dtype))
         self.tokenizer = load_tokenizer(self.checkpoint)
         self.quantization = None                     # the method the weights carry, if any
+        self.blocks = BlockManager(
+            config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+            num_cpu_blocks=config.num_cpu_blocks,
+            reserve_tokens=config.max_model_len if config.kv_cache_layout == "contiguous" else None)
+        self.executor = None                         # the workers of a parallel engine
+        self.model = self.cache = self.runner = None
+        if config.world_size > 1:
+            from .parallel import start_workers
+            self.executor = start_workers(config, self.checkpoint, self.model_args)
+        else:
+            self._load_model(config)
+        self.backend = get_attention_backend(config.attention_backend, self.device)
+        # Pipeline parallelism keeps one micro-batch per stage in flight, each from its own
+        # scheduler over the shared block pool (parallel/pipeline.py).
+        self.schedulers = [Scheduler(c, self.blocks) for c in self._micro_batch_configs()]
+        self.scheduler = self.schedulers[0]
+        if len(self.schedulers) > 1:
+            for sched in self.schedulers:
+                sched.others_hold_blocks = self._others_hold_blocks(sched)
+        self._in_flight: list = []                   # (scheduler, batch, ops, step number, times)
+        if self.runner is None and self.model is not None:
+            self.runner = ModelRunner(self.model, self.cache, self.blocks, self.backend,
+                                      self.device)
+        self.sampler = Sampler(config.seed)
+        self.drafter = None
+        if config.spec_config is not None:
+            from .spec import build_drafter
+            self.drafter = build_drafter(config.spec_config, self)
+        self.output_processor = OutputProcessor(self.tokenizer, self._eos_token_ids(),
+                                                config.max_model_len)
+        self.trace: list[StepRecord] = []
+        self._request_counter = itertools.count()
+        self._sequences: dict[str, Sequence] = {}
+
+    def _load_model(self, config: EngineConfig) -> None:
         if is_quantized_checkpoint(self.checkpoint):
             if config.quant_config is not None:
                 raise ValueError(f"quantization={config.quantization!r} is invalid for "
@@ -65,26 +102,42 @@ class LLMEngine:
             if config.quant_config is not None:
                 self._quantize(config.quant_config)
                 self.quantization = config.quant_config.method
-        self.blocks = BlockManager(
-            config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-            num_cpu_blocks=config.num_cpu_blocks,
-            reserve_tokens=config.max_model_len if config.kv_cache_layout == "contiguous" else None)
+        if config.moe_config is not None:
+            from .parallel.moe import moefy
+            moefy(self.model, **config.moe_config)
         self.cache = PagedKVCache(self.model_args, config.num_kv_blocks, config.block_size,
                                   self.dtype, self.device, config.num_cpu_blocks,
                                   kv_cache_dtype=config.kv_cache_dtype)
-        self.backend = get_attention_backend(config.attention_backend, self.device)
-        self.scheduler = Scheduler(config, self.blocks)
-        self.runner = ModelRunner(self.model, self.cache, self.blocks, self.backend, self.device)
-        self.sampler = Sampler(config.seed)
-        self.drafter = None
-        if config.spec_config is not None:
-            from .spec import build_drafter
-            self.drafter = build_drafter(config.spec_config, self)
-        self.output_processor = OutputProcessor(self.tokenizer, self._eos_token_ids(),
-                                                config.max_model_len)
-        self.trace: list[StepRecord] = []
-        self._request_counter = itertools.count()
-        self._sequences: dict[str, Sequence] = {}
+
+    def _others_hold_blocks(self, me: Scheduler):
+        return lambda: any(other.running for other in self.schedulers if other is not me)
+
+    def _micro_batch_configs(self) -> list[EngineConfig]:
+        """One config per scheduler: with P stages, P schedulers share max_num_seqs."""
+        p = self.config.pipeline_parallel_size
+        if p == 1:
+            return [self.config]
+        out = []
+        for v in range(p):
+            c = copy.copy(self.config)
+            c.max_num_seqs = max(1, -(-self.config.max_num_seqs // p))
+            out.append(c)
+        return out
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.config.num_kv_blocks * self.config.block_size
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The KV pool's size for the whole model (a parallel engine's workers hold shares)."""
+        return self.kv_cache_tokens * kv_bytes_per_token(self.model_args, self.dtype,
+                                                         self.config.kv_cache_dtype)
+
+    def close(self) -> None:
+        """Stop the worker processes of a parallel engine (a single-process engine has none)."""
+        if self.executor is not None:
+            self.executor.close()
 
     def _quantize(self, cfg) -> None:
         from .quant.apply import quantize_model
@@ -189,11 +242,14 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # nothing predicts the first prompt token
         self._sequences[request_id] = seq
-        self.scheduler.add(seq)
+        # With several schedulers (pipeline micro-batches), the one with the fewest requests.
+        min(self.schedulers, key=lambda s: len(s.waiting) + len(s.running)).add(seq)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
-        seq = self.scheduler.abort(request_id)
+        seq = None
+        for scheduler in self.schedulers:
+            seq = seq or scheduler.abort(request_id)
         if self.drafter is not None:
             self.drafter.release(request_id)
         if seq is not None:
@@ -202,7 +258,7 @@ class LLMEngine:
         self._sequences.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self._in_flight) or any(s.has_unfinished() for s in self.schedulers)
 
     def get_sequence(self, request_id: str) -> Sequence | None:
         return self._sequences.get(request_id)
@@ -213,7 +269,37 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------- the step
     def step(self) -> list[Sequence]:
-        """Run one iteration; returns the sequences that were scheduled in it."""
+        """Run one iteration; returns the sequences that were scheduled in it.
+
+        A pipeline-parallel engine first fills the pipeline (every scheduler without a batch in
+        flight posts one), then completes the oldest batch: a step still returns one batch's
+        sequences, but up to pipeline_parallel_size batches are being computed at any time."""
+        if self.executor is None:
+            return self._step_local()
+        for scheduler in self.schedulers:
+            if any(f[0] is scheduler for f in self._in_flight):
+                continue
+            t0 = time.perf_counter()
+            batch = scheduler.schedule()
+            ops = self.blocks.take_ops()
+            if batch.empty:
+                self._release_finished(scheduler.free_finished())
+                continue
+            t1 = time.perf_counter()
+            inputs = plan_step(batch, self.blocks, ops)
+            t2 = time.perf_counter()
+            n = self.executor.submit(inputs)
+            self._in_flight.append((scheduler, batch, ops, n, (t0, t1, t1, t2)))
+        if not self._in_flight:
+            return []
+        scheduler, batch, ops, n, (t0, t1, t_draft, t2) = self._in_flight.pop(0)
+        out, stats, spans = self.executor.result(n)
+        t3 = time.perf_counter()
+        comm = {"comm": merge_stats(*stats), "stage_spans": spans, "micro_batch":
+                self.schedulers.index(scheduler), "num_in_flight": len(self._in_flight) + 1}
+        return self._complete(scheduler, batch, ops, out, (t0, t1, t_draft, t2, t3), comm)
+
+    def _step_local(self) -> list[Sequence]:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         ops = self.blocks.take_ops()
@@ -226,12 +312,18 @@ class LLMEngine:
             self.drafter.apply_block_ops(ops)
             self._draft(batch)
         t_draft = time.perf_counter()
-        input_ids, positions, meta = self.runner.prepare(batch)
+        inputs = plan_step(batch, self.blocks)
+        packed = self.runner.pack(inputs.rows, inputs.tables)
         t2 = time.perf_counter()
-        out = self.runner.forward(input_ids, positions, meta, batch)
+        out = self.runner.execute(inputs, packed)
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # else forward_s would time only the kernel launches
         t3 = time.perf_counter()
+        return self._complete(self.scheduler, batch, ops, out, (t0, t1, t_draft, t2, t3), {})
+
+    def _complete(self, scheduler, batch, ops, out, times, comm) -> list[Sequence]:
+        """Sample from the forward's logits, append the tokens, free what finished, record."""
+        t0, t1, t_draft, t2, t3 = times
         sampled = [batch.seqs[i] for i in out.sample_indices]
         emitted = self._sample(sampled, out.logits)
         t4 = time.perf_counter()
@@ -241,6 +333,8 @@ class LLMEngine:
                 self._extend_prompt_logprobs(seq, *out.prompt_logprobs[i])
             seq.num_computed_tokens += n
         for seq, (tokens, infos, accepted) in zip(sampled, emitted):
+            if seq.is_finished:               # aborted while its batch was in the pipeline
+                continue
             drafted = len(seq.spec_token_ids)
             if drafted:
                 # The K/V of rejected drafts were written but are not the sequence's: forget them.
@@ -262,7 +356,7 @@ class LLMEngine:
             for seq in batch.seqs:
                 self.blocks.index_full_blocks(seq.request_id, seq.all_token_ids,
                                               min(seq.num_computed_tokens, seq.num_tokens))
-        finished = self.scheduler.free_finished()
+        finished = scheduler.free_finished()
         self._release_finished(finished)
         t5 = time.perf_counter()
         pool = self.blocks.pool
@@ -270,8 +364,9 @@ class LLMEngine:
             step=len(self.trace), num_seqs=len(batch.seqs),
             num_prefill_tokens=batch.num_prefill_tokens,
             num_decode_tokens=batch.num_decode_tokens,
-            num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
-            kv_tokens_used=sum(s.num_computed_tokens for s in self.scheduler.running),
+            num_waiting=sum(len(s.waiting) for s in self.schedulers),
+            num_running=sum(len(s.running) for s in self.schedulers),
+            kv_tokens_used=sum(q.num_computed_tokens for s in self.schedulers for q in s.running),
             blocks_used=pool.num_used, blocks_cached=pool.num_cached, blocks_free=pool.num_free,
             blocks_total=pool.num_blocks, block_size=self.blocks.block_size,
             num_preempted=len(batch.preempted), blocks_swapped_out=len(ops.swap_out),
@@ -286,7 +381,7 @@ class LLMEngine:
             spec=spec, spec_tokens=spec_tokens, num_draft_tokens=sum(d for _, d, _ in spec),
             num_accepted_tokens=sum(a for _, _, a in spec),
             schedule_s=t1 - t0, draft_s=t_draft - t1, prepare_s=t2 - t_draft, forward_s=t3 - t2,
-            sample_s=t4 - t3, postprocess_s=t5 - t4, total_s=t5 - t0))
+            sample_s=t4 - t3, postprocess_s=t5 - t4, total_s=t5 - t0, **comm))
         return batch.seqs
 
     # ----------------------------------------------------------------------------- speculation

@@ -46,13 +46,29 @@ class LLM:
                       " (auto: this CPU has native bf16)" if dtype == "bfloat16" else
                       " (auto: no native bf16 on this CPU)")
         quant = f", quantization={e.quantization}" if e.quantization else ""
+        moe = e.config.moe_config
+        quant += f", moe={moe['num_experts']} experts top-{moe['top_k']}" if moe else ""
+        weights = (f"weights {e.model.weight_bytes() / 2**20:.0f} MiB on {e.device.type}{how}"
+                   if e.executor is None else
+                   f"weights on {e.executor.layout.describe()}, {e.device.type}{how}")
         kv = f", kv_cache_dtype={e.config.kv_cache_dtype}" if e.config.kv_cache_dtype != "auto" else ""
-        return (f"[workbench] {e.config.model}: weights {e.model.weight_bytes() / 2**20:.0f} MiB "
-                f"on {e.device.type}{how}, {dtype}{quant}{kv}, attention={e.backend.name}, "
+        return (f"[workbench] {e.config.model}: {weights}, {dtype}{quant}{kv}, "
+                f"attention={e.backend.name}, "
                 f"max_model_len={e.config.max_model_len}, max_num_seqs={e.config.max_num_seqs}, "
-                f"KV cache {e.cache.total_bytes / 2**20:.0f} MiB = {e.cache.num_slots} tokens "
+                f"KV cache {e.kv_cache_bytes / 2**20:.0f} MiB = {e.kv_cache_tokens} tokens "
                 f"({e.config.num_kv_blocks} blocks of {e.config.block_size}, "
                 f"{e.config.kv_cache_layout})")
+
+    def close(self) -> None:
+        """Stop the worker processes of a parallel engine; the LLM cannot generate afterwards.
+        (They also stop when the LLM is garbage-collected or the kernel exits.)"""
+        self.engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def save_quantized(self, path) -> str:
         """Save a quantized model as a folder; LLM(model=path) loads it without recalibrating."""
@@ -69,7 +85,7 @@ class LLM:
         return {"block_size": blocks.block_size, "blocks_total": pool.num_blocks,
                 "blocks_used": pool.num_used, "blocks_cached": pool.num_cached,
                 "blocks_free": pool.num_free, "token_capacity": pool.num_blocks * blocks.block_size,
-                "kv_cache_bytes": self.engine.cache.total_bytes,
+                "kv_cache_bytes": self.engine.kv_cache_bytes,
                 "prefix_cache_queries": blocks.prefix_queries,
                 "prefix_cache_hits": blocks.prefix_hits, "prefix_cache_hit_rate": blocks.hit_rate,
                 "evictions": pool.num_evictions,

@@ -59,9 +59,50 @@ def pack(rows: list[tuple[list[int], int]], tables: list[list[int]], block_size:
     return torch.tensor(ids, device=dev), positions_t, meta
 
 
+@dataclass
+class StepInputs:
+    """Everything a forward pass needs, as plain lists: what the driver sends to each worker of a
+    parallel engine (and what a single-process engine hands its own runner)."""
+    rows: list[tuple[list[int], int]]     # per sequence: (new token ids, position of the first)
+    tables: list[list[int]]               # per sequence: its block table
+    logit_rows: list[int]                 # rows of the packed hidden states that get logits
+    prompt_rows: dict[int, tuple[int, int, int]]  # seq index -> (first prompt position, row, count)
+    ops: BlockOps | None = None           # block copies to apply before the forward
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t, _ in self.rows)
+
+
+def plan_step(batch: ScheduledBatch, blocks: BlockManager, ops: BlockOps | None = None
+              ) -> StepInputs:
+    """The driver's half of a step: which tokens go in and which rows come out as logits.
+
+    A sequence gets logits when this step reaches its last token; with drafted tokens, one row per
+    draft too (row j scores draft j + 1; the last row is the bonus position). Prompt logprobs need
+    the rows of the prompt positions this step covers (position j predicts prompt token j + 1)."""
+    rows, tables, logit_rows, prompt_rows, end = [], [], [], {}, 0
+    for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        rows.append((seq.scheduled_tokens(seq.num_computed_tokens, n), seq.num_computed_tokens))
+        tables.append(blocks.tables[seq.request_id])
+        end += n
+        k = len(seq.spec_token_ids)
+        if seq.num_computed_tokens + n == seq.num_tokens + k:
+            logit_rows.extend(range(end - 1 - k, end))
+        if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_done:
+            first = len(seq.prompt_logprobs or [None]) - 1   # continue where the last chunk stopped
+            last = min(seq.num_computed_tokens + n, seq.num_prompt_tokens - 1)
+            if last > first:
+                prompt_rows[i] = (first, end - n + (first - seq.num_computed_tokens), last - first)
+    return StepInputs(rows, tables, logit_rows, prompt_rows, ops)
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: PagedKVCache, blocks: BlockManager, backend,
-                 device: torch.device):
+    """The worker's half: runs StepInputs through the model and returns the logits rows. A
+    single-process engine owns one; each worker process of a parallel engine owns one per shard."""
+
+    def __init__(self, model: LlamaModel, cache: PagedKVCache, blocks: BlockManager | None,
+                 backend, device: torch.device):
         self.model, self.cache, self.blocks = model, cache, blocks
         self.backend, self.device = backend, device
 
@@ -69,7 +110,10 @@ class ModelRunner:
         rows = [(seq.scheduled_tokens(seq.num_computed_tokens, n), seq.num_computed_tokens)
                 for seq, n in zip(batch.seqs, batch.num_new_tokens)]
         tables = [self.blocks.tables[s.request_id] for s in batch.seqs]
-        return pack(rows, tables, self.blocks.block_size, self.device, self.cache.kv_cache_dtype)
+        return self.pack(rows, tables)
+
+    def pack(self, rows, tables):
+        return pack(rows, tables, self.cache.block_size, self.device, self.cache.kv_cache_dtype)
 
     def apply_block_ops(self, ops: BlockOps) -> None:
         if ops:
@@ -78,25 +122,26 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 batch: ScheduledBatch) -> ForwardOutput:
+        return self.execute(plan_step(batch, self.blocks), (input_ids, positions, meta))
+
+    @torch.inference_mode()
+    def execute(self, step: StepInputs, packed=None) -> ForwardOutput:
+        """Apply the step's block ops, run the model, and compute the logits rows (fp32)."""
+        if step.ops:
+            self.cache.apply(step.ops)
+        input_ids, positions, meta = packed or self.pack(step.rows, step.tables)
         hidden = self.model(input_ids, positions, self.cache.kv_caches, meta, self.backend)
-        ends = meta.query_start_loc[1:].tolist()
-        # A sequence gets logits when this step reaches its last token; with drafted tokens, one row
-        # per draft too (row j scores draft j + 1; the last row is the bonus position).
-        sample, rows = [], []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            if seq.num_computed_tokens + n == seq.num_tokens + len(seq.spec_token_ids):
+        return self.logits(hidden, step)
+
+    def logits(self, hidden: torch.Tensor, step: StepInputs) -> ForwardOutput:
+        wanted, end, sample = set(step.logit_rows), 0, []
+        for i, (tokens, _) in enumerate(step.rows):
+            end += len(tokens)
+            if end - 1 in wanted:
                 sample.append(i)
-                rows.extend(range(ends[i] - 1 - len(seq.spec_token_ids), ends[i]))
-        logits = self.model.compute_logits(hidden[rows])
+        logits = self.model.compute_logits(hidden[step.logit_rows])
         prompt_lps = {}
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            if seq.params.prompt_logprobs is None or seq.prompt_logprobs_done:
-                continue
-            # Position j predicts prompt token j + 1; continue where the last chunk stopped.
-            first = len(seq.prompt_logprobs or [None]) - 1
-            last = min(seq.num_computed_tokens + n, seq.num_prompt_tokens - 1)
-            if last > first:
-                row0 = ends[i] - n + (first - seq.num_computed_tokens)
-                rows = self.model.compute_logits(hidden[row0:row0 + last - first])
-                prompt_lps[i] = (first, torch.log_softmax(rows, dim=-1))
+        for i, (first, row0, count) in step.prompt_rows.items():
+            rows = self.model.compute_logits(hidden[row0:row0 + count])
+            prompt_lps[i] = (first, torch.log_softmax(rows, dim=-1))
         return ForwardOutput(sample, logits, prompt_lps)

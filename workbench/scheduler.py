@@ -55,6 +55,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []   # sorted by sort_key; holds WAITING and SWAPPED
         self.running: list[Sequence] = []
         self.ended: list[Sequence] = []     # finished by the scheduler itself ("length")
+        # With pipeline parallelism several schedulers share one block pool; a sequence that does
+        # not fit while another scheduler's sequences hold blocks must wait, not end.
+        self.others_hold_blocks = lambda: False
 
     # ------------------------------------------------------------------ queues
     def add(self, seq: Sequence) -> None:
@@ -90,8 +93,8 @@ class Scheduler:
                     n -= seq.num_lookahead
                     seq.num_lookahead = 0
                     continue
-                if len(self.running) == 1:          # alone and still too big: it can never fit
-                    self._end_for_length(seq)
+                if len(self.running) == 1 and not self.others_hold_blocks():
+                    self._end_for_length(seq)       # alone and still too big: it can never fit
                     break
                 victim = self.running.pop()         # lowest priority, latest arrival
                 self._preempt(victim)
@@ -143,8 +146,8 @@ class Scheduler:
                 n = self._tokens_for(seq, budget, lookahead=False)
                 if n == 0 or not self.blocks.can_swap_in(seq.request_id,
                                                          seq.num_computed_tokens + n):
-                    if not self.running and n > 0:   # even an empty pool cannot hold it
-                        self.waiting.pop(0)
+                    if not self.running and n > 0 and not self.others_hold_blocks():
+                        self.waiting.pop(0)          # even an empty pool cannot hold it
                         self._end_for_length(seq)
                         continue
                     break
@@ -158,7 +161,8 @@ class Scheduler:
                 n = self._tokens_for(seq, budget, lookahead=False)
                 if n == 0 or not self.blocks.allocate(seq.request_id, num_cached, n, hits):
                     seq.num_computed_tokens = 0
-                    if not self.running and n > 0:   # even an empty pool cannot hold it
+                    if not self.running and n > 0 and not self.others_hold_blocks():
+                        # even an empty pool cannot hold it
                         self.waiting.pop(0)
                         self._end_for_length(seq)
                         continue

@@ -44,6 +44,14 @@ class StepRecord:
     spec_tokens: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Parallel engines: per collective, (calls, payload bytes, seconds) summed over the first rank
+    # of every stage; when each stage's first rank started (had its inputs) and ended this batch
+    # (time.monotonic, one clock for all processes of a machine); which scheduler (pipeline micro-batch slot) it
+    # came from; batches in the pipeline when this one was collected.
+    comm: dict[str, tuple[int, int, float]] = field(default_factory=dict)
+    stage_spans: list[tuple[float, float]] = field(default_factory=list)
+    micro_batch: int = 0
+    num_in_flight: int = 1
     # With EngineConfig.record_block_tables: request id -> its block ids after this step.
     block_tables: dict[str, list[int]] | None = None
 
@@ -64,6 +72,19 @@ class StepRecord:
     def kv_tokens_reserved(self) -> int:
         """Token slots in blocks that sequences hold (used + the unfilled rest of their blocks)."""
         return self.blocks_used * self.block_size
+
+    @property
+    def comm_bytes(self) -> int:
+        return sum(b for _, b, _ in self.comm.values())
+
+    @property
+    def stage_busy_s(self) -> list[float]:
+        """Seconds each stage spent on this batch: compute plus its collectives."""
+        return [end - start for start, end in self.stage_spans]
+
+    @property
+    def comm_s(self) -> float:
+        return sum(t for _, _, t in self.comm.values())
 
     def as_dict(self) -> dict:
         return asdict(self)

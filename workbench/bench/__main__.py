@@ -6,6 +6,8 @@ offline-mixed: throughput on 64 mixed-length requests vs transformers in static 
 kernels:       (CUDA only) FlashAttention forward TFLOP/s vs SDPA, paged decode GB/s vs copy.
 quant:         every quantization method and KV dtype vs bf16: KL, perplexity, top-1, bytes,
                decode tok/s and GB/s (its own options: python -m workbench.bench quant --help).
+parallel:      tensor/pipeline/expert-parallel layouts vs one process: tok/s, the share of time
+               in collectives, bytes per step (python -m workbench.bench parallel --help).
 spec:          speculative decoding: every drafter vs plain decoding on single-stream, and the
                speedup against batch size (python -m workbench.bench spec --help).
 """
@@ -29,6 +31,9 @@ def main(argv=None) -> None:
     if argv[:1] == ["quant"]:
         from . import quant
         return quant.main(argv[1:])
+    if argv[:1] == ["parallel"]:
+        from . import parallel
+        return parallel.main(argv[1:])
     if argv[:1] == ["spec"]:
         from . import spec
         return spec.main(argv[1:])

@@ -1,0 +1,144 @@
+"""The driver's side of a parallel engine: start the workers, post steps, collect outputs, and
+notice a worker that died.
+
+    LLM(tensor_parallel_size=2)          the notebook's process: scheduler, sampler, detokenizer
+        │  TCPStore  "step/n" ──►  worker 0 ─┐ all-reduce ┌─ worker 1     (spawned processes)
+        │            ◄── "out/n/stage"       └────────────┘
+The driver never joins the process group, so a notebook kernel holds no distributed state and
+can build and close engines freely. Under torchrun the workers are torchrun's processes instead
+(workbench/parallel/launch.py); everything after the store is the same.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import time
+import weakref
+from datetime import timedelta
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .worker import WorkerSpec, wait_key, worker_main
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(store, next_step: int, procs) -> None:
+    """Ask the workers to exit; kill the ones that do not within a few seconds."""
+    try:
+        store.set(f"step/{next_step}", pickle.dumps(("stop",)))
+    except Exception:
+        pass
+    deadline = time.monotonic() + 5
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive() and hasattr(p, "kill"):   # a process; rank 0's thread under torchrun
+            p.kill()                               # has been asked to stop and is a daemon
+            p.join(1)
+
+
+class DistributedExecutor:
+    """Posts StepInputs to the workers and returns their outputs, in order."""
+
+    def __init__(self, spec: WorkerSpec, layout, store=None, procs=None, start_timeout: float = 600):
+        self.layout, self.spec = layout, spec
+        self.next_step = 0
+        self.procs = procs or []
+        if store is None:
+            spec.store_host, spec.store_port = "127.0.0.1", _free_port()
+            store = dist.TCPStore(spec.store_host, spec.store_port, None, True,
+                                  timeout=timedelta(seconds=60), wait_for_workers=False)
+            ctx = mp.get_context("spawn")      # fork would copy the notebook's threads and state
+            self.procs = [ctx.Process(target=worker_main, args=(spec, r, os.getpid()),
+                                      daemon=True, name=f"workbench-worker-{r}")
+                          for r in range(layout.world_size)]
+            for p in self.procs:
+                p.start()
+        self.store = store
+        self._finalizer = weakref.finalize(self, _stop, store, 0, self.procs)
+        self._wait_ready(start_timeout)
+
+    # ------------------------------------------------------------------ liveness
+    def _check_workers(self) -> None:
+        for r, p in enumerate(self.procs):
+            if not p.is_alive():
+                self.close()
+                raise WorkerDied(f"worker rank {r} ({p.name}) died with exit code "
+                                 f"{getattr(p, 'exitcode', None)}; "
+                                 "the engine is closed and its requests are lost: build a new LLM")
+
+    def _raise_posted_error(self) -> None:
+        for r in range(self.layout.world_size):
+            if self.store.check([f"error/{r}"]):
+                kind, msg, trace = pickle.loads(self.store.get(f"error/{r}"))
+                self.close()
+                if kind == "ValueError":
+                    raise ValueError(f"worker rank {r}: {msg}")
+                raise WorkerDied(f"worker rank {r} failed with {kind}: {msg}; the engine is "
+                                 f"closed.\nThe worker's traceback:\n{trace}")
+
+    def _wait(self, key: str, timeout: float | None = None) -> bytes:
+        start, last_check = time.monotonic(), 0.0
+
+        def healthy() -> bool:
+            nonlocal last_check
+            now = time.monotonic()
+            if now - last_check > 0.2:          # a dead worker is noticed within 0.2 s
+                last_check = now
+                self._raise_posted_error()
+                self._check_workers()
+                if timeout is not None and now - start > timeout:
+                    self.close()
+                    raise WorkerDied(f"the workers did not answer {key!r} in {timeout:.0f} s")
+            return True
+
+        wait_key(self.store, key, healthy, max_sleep=0.005)
+        return self.store.get(key)
+
+    def _wait_ready(self, timeout: float) -> None:
+        for r in range(self.layout.world_size):
+            self._wait(f"ready/{r}", timeout)
+
+    # ------------------------------------------------------------------ steps
+    def submit(self, step) -> int:
+        """Post a step; returns its number. Does not wait: pipeline stages overlap."""
+        n = self.next_step
+        self.store.set(f"step/{n}", pickle.dumps(("step", step)))
+        self.next_step += 1
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _stop, self.store, self.next_step, self.procs)
+        return n
+
+    def result(self, n: int):
+        """(ForwardOutput of the last stage, communication counts of every stage, (start, end)
+        of each stage's first rank on time.monotonic's clock) for step n."""
+        stats, spans, out = [], [], None
+        for stage in range(self.layout.pipeline):
+            key = f"out/{n}/{stage}"
+            o, s, b = pickle.loads(self._wait(key))
+            self.store.delete_key(key)
+            stats.append(s)
+            spans.append(b)
+            if o is not None:
+                out = o
+        self.store.delete_key(f"step/{n}")
+        return out, stats, spans
+
+    def run(self, step):
+        return self.result(self.submit(step))
+
+    def close(self) -> None:
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive

@@ -1,0 +1,192 @@
+"""One worker process of a parallel engine: a shard of the model, its share of the KV cache, and a
+loop that runs the steps the driver posts.
+
+Control plane: a torch.distributed TCPStore. The driver writes step n's StepInputs under
+"step/{n}"; every worker reads it; the first rank of each stage writes "out/{n}/{stage}" (the last
+stage's logits rows, and every stage's communication counts). The store is torch's own
+rendezvous service, so the same code runs in processes the engine spawned and under torchrun.
+Data plane: process groups (gloo on CPU, NCCL on CUDA) for all-reduce, send/recv, all-to-all.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+
+def wait_key(store, key: str, still_ok=lambda: True, max_sleep: float = 0.02) -> bool:
+    """Poll until the key exists (store.wait with a timeout would log a C++ warning per
+    timeout). Sleeps grow from 0.1 ms, so a step posted right away is seen right away. Returns
+    False when still_ok() turns False."""
+    sleep = 1e-4
+    while not store.check([key]):
+        if not still_ok():
+            return False
+        time.sleep(sleep)
+        sleep = min(sleep * 2, max_sleep)
+    return True
+
+
+@dataclasses.dataclass
+class WorkerSpec:
+    """What a worker needs to build its shard (picklable, sent to spawned processes)."""
+    checkpoint: str
+    dtype: str
+    device: str
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    num_cpu_blocks: int
+    kv_cache_dtype: str
+    attention_backend: str
+    tensor: int
+    pipeline: int
+    expert: int
+    moe: dict | None
+    num_threads: int
+    store_host: str
+    store_port: int
+    collective_timeout_s: float = 120.0
+
+
+def _groups(layout, rank: int):
+    """Every rank creates every group, in the same order (torch.distributed requires it)."""
+    from .comm import Comm
+    mine = None
+    for stage in range(layout.pipeline):
+        ranks = layout.stage_ranks(stage)
+        group = dist.new_group(ranks) if len(ranks) > 1 else None
+        if rank in ranks:
+            mine = Comm(group, ranks)
+    return mine, Comm(None, list(range(layout.world_size)))
+
+
+def build_shard(spec: WorkerSpec, rank: int, device: torch.device):
+    """Load the checkpoint, keep this rank's part, allocate its KV cache."""
+    from pathlib import Path
+
+    from ..attention import get_attention_backend
+    from ..config import DTYPES
+    from ..kv.paged_cache import PagedKVCache
+    from ..models.loader import load_model
+    from ..runner import ModelRunner
+    from .layout import Layout
+    from .moe import moefy, place_experts
+    from .pipeline import Stage, stage_layers
+    from .tensor import shard_model
+
+    layout = Layout(spec.tensor, spec.pipeline, spec.expert)
+    group_comm, world_comm = _groups(layout, rank)
+    dtype = DTYPES[spec.dtype]
+    model = load_model(Path(spec.checkpoint), dtype, device, spec.max_model_len)
+    if spec.moe:
+        moefy(model, spec.moe["num_experts"], spec.moe["top_k"])
+    if spec.tensor > 1:
+        shard_model(model, layout.group_rank(rank), spec.tensor, group_comm)
+    if spec.expert > 1:
+        place_experts(model, group_comm)
+    s = layout.stage_of(rank)
+    layers = stage_layers(model.args.num_hidden_layers, spec.pipeline)[s]
+    stage = Stage(model, layers, s, spec.pipeline, world_comm,
+                  layout.peer(rank, s - 1) if s > 0 else None,
+                  layout.peer(rank, s + 1) if s < spec.pipeline - 1 else None)
+    local_args = dataclasses.replace(
+        model.args, num_hidden_layers=len(layers),
+        num_key_value_heads=model.args.num_key_value_heads // spec.tensor)
+    cache = PagedKVCache(local_args, spec.num_kv_blocks, spec.block_size, dtype, device,
+                         spec.num_cpu_blocks, kv_cache_dtype=spec.kv_cache_dtype)
+    runner = ModelRunner(model, cache, None, get_attention_backend(spec.attention_backend, device),
+                         device)
+    return layout, stage, runner, [group_comm, world_comm]
+
+
+def run_step(stage, runner, step):
+    """One micro-batch through this rank's stage; the logits rows on the last stage."""
+    if step.ops:
+        runner.cache.apply(step.ops)
+    ids, positions, meta = runner.pack(step.rows, step.tables)
+    hidden = stage.forward(ids, positions, runner.cache.kv_caches, meta, runner.backend)
+    return runner.logits(hidden, step) if stage.last else None
+
+
+def serve(spec: WorkerSpec, rank: int, store, device: torch.device, parent_pid: int | None):
+    """Build the shard, then run steps until "stop". Errors are posted for the driver to raise."""
+    try:
+        layout, stage, runner, comms = build_shard(spec, rank, device)
+    except Exception as err:          # a bad layout or checkpoint: the driver raises it
+        _post_error(store, rank, err)
+        return
+    store.set(f"ready/{rank}", b"1")
+    try:
+        _loop(spec, rank, store, device, parent_pid, layout, stage, runner, comms)
+    except Exception as err:          # a failed step: the driver raises it instead of waiting
+        _post_error(store, rank, err)
+        raise
+
+
+def _post_error(store, rank: int, err: Exception) -> None:
+    store.set(f"error/{rank}", pickle.dumps((type(err).__name__, str(err),
+                                             traceback.format_exc())))
+
+
+def _loop(spec, rank, store, device, parent_pid, layout, stage, runner, comms) -> None:
+    from .comm import merge_stats
+    reports = layout.group_rank(rank) == 0
+    n = 0
+    while True:
+        key = f"step/{n}"
+        try:
+            if not wait_key(store, key, lambda: parent_pid is None or os.getppid() == parent_pid):
+                return                # the driver's process is gone
+        except Exception:             # the store is gone with it
+            return
+        msg = pickle.loads(store.get(key))
+        if msg[0] == "stop":
+            return
+        with torch.inference_mode():
+            out = run_step(stage, runner, msg[1])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        # From the moment the stage had its inputs (a later stage first waits in recv for the
+        # previous one: idle, not work) to its end. time.monotonic is CLOCK_MONOTONIC on Linux,
+        # one clock for every process of a machine, so the driver can draw all stages together.
+        span = (stage.work_start, time.monotonic())
+        stats = merge_stats(*(c.take_stats() for c in comms if c is not None))
+        if reports:
+            store.set(f"out/{n}/{stage.index}", pickle.dumps((out, stats, span)))
+        n += 1
+
+
+def connect(spec: WorkerSpec, rank: int, world_size: int, store=None):
+    """Join the driver's store (or torchrun's) and the process group."""
+    if store is None:
+        store = dist.TCPStore(spec.store_host, spec.store_port, None, False,
+                              timeout=timedelta(seconds=60))
+    if spec.device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        device = torch.device("cuda", local % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank,
+                            world_size=world_size,
+                            timeout=timedelta(seconds=spec.collective_timeout_s))
+    return store, device
+
+
+def worker_main(spec: WorkerSpec, rank: int, parent_pid: int) -> None:
+    """Entry point of a process the engine spawned."""
+    torch.set_num_threads(spec.num_threads)
+    store, device = connect(spec, rank, spec.tensor * spec.pipeline * spec.expert)
+    try:
+        serve(spec, rank, store, device, parent_pid)
+    finally:
+        dist.destroy_process_group()
