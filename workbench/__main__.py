@@ -1,6 +1,9 @@
-"""Command line: `python -m workbench generate "prompt"`, `python -m workbench info`.
-
-Later capabilities add their subcommands here (serve, bench, ...).
+"""Command line:
+    python -m workbench generate "prompt" [--chat] [-tp N] [-pp N]   stream one generation
+    python -m workbench info                                         what the engine chose
+    python -m workbench serve [--port 8000] [--api-key K]            the OpenAI-compatible server
+    python -m workbench router --replica URL --replica URL           prefix-aware routing
+Under torchrun every rank runs the same command (workbench/parallel/launch.py).
 """
 from __future__ import annotations
 
@@ -15,7 +18,26 @@ def main(argv=None) -> int:
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     info = sub.add_parser("info", help="load the model and print what the engine chose")
-    for p in (gen, info):
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (workbench/serve/)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None,
+                       help="the name clients pass as `model` (default: --model)")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--max-num-seqs", type=int, default=32)
+    serve.add_argument("--max-num-batched-tokens", type=int, default=512)
+    serve.add_argument("--enable-prefix-caching", action="store_true")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--shutdown-timeout", type=float, default=10.0,
+                       help="seconds running requests may finish in after Ctrl-C")
+    router = sub.add_parser("router", help="route /v1 requests over several servers "
+                                           "(prefix-aware: workbench/serve/router.py)")
+    router.add_argument("--replica", action="append", required=True, help="a server URL")
+    router.add_argument("--policy", default="prefix", help="prefix, random or round_robin")
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8000)
+    for p in (gen, info, serve):
         p.add_argument("--model", default="smollm2-135m")
         p.add_argument("--dtype", default="auto")
         p.add_argument("--device", default="auto")
@@ -37,6 +59,10 @@ def main(argv=None) -> int:
     ranked = torchrun_rank()
     if ranked is not None and ranked[0] != 0:     # under torchrun, only rank 0 drives
         return serve_rank()
+    if args.command == "serve":
+        return serve_main(args)
+    if args.command == "router":
+        return router_main(args)
     from . import LLM, SamplingParams
     moe = None
     if args.moe_experts is not None:
@@ -65,6 +91,58 @@ def main(argv=None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    return 0
+
+
+def router_main(args) -> int:
+    import uvicorn
+
+    from .serve.router import Router, build_router_app
+    try:
+        router = Router(args.replica, args.policy)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"[workbench] routing ({args.policy}) over {len(args.replica)} replicas on "
+          f"http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(build_router_app(router), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def serve_main(args) -> int:
+    import threading
+
+    import uvicorn
+
+    from .llm import LLM
+    from .serve import AsyncEngine, build_app
+    from .serve.metrics import ServerMetrics
+    try:
+        llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
+                  max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+                  tensor_parallel_size=args.tensor_parallel_size,
+                  pipeline_parallel_size=args.pipeline_parallel_size)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or args.model
+    engine = AsyncEngine(llm, ServerMetrics(name))
+    app = build_app(engine, name, api_key=args.api_key, shutdown_timeout=args.shutdown_timeout)
+    print(f"[workbench] serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            """Ctrl-C / SIGTERM: uvicorn stops accepting and waits for open streams; the engine
+            lets them finish for --shutdown-timeout seconds, then ends them with
+            finish_reason "abort" (and [DONE]), so no stream is cut off silently."""
+            if not self.should_exit:
+                threading.Thread(target=engine.shutdown, args=(args.shutdown_timeout,),
+                                 daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")).run()
     return 0
 
 

@@ -1,0 +1,236 @@
+"""The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus /health
+and /metrics. Responses follow the OpenAI schema (choices, finish_reason, usage, logprobs, SSE
+chunks ending with `data: [DONE]`)."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .async_engine import AsyncEngine, Delta, EngineStopped, RequestStream
+from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, param_of
+
+
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
+              shutdown_timeout: float = 10.0) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        engine.shutdown(shutdown_timeout)    # finish what runs, abort the rest, stop the workers
+
+    app = FastAPI(title="inference workbench", lifespan=lifespan)
+    max_model_len = engine.engine.config.max_model_len
+
+    # ------------------------------------------------------------------ errors and auth
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request, err: OpenAIError):
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, err: RequestValidationError):
+        first = err.errors()[0]
+        if first.get("type") == "json_invalid":
+            e = OpenAIError(f"the request body is not valid JSON: {first.get('msg')}")
+        else:
+            loc = [str(x) for x in first.get("loc", ())[1:]]
+            e = OpenAIError(f"{'.'.join(loc) or 'body'}: {first.get('msg')} "
+                            f"(got {first.get('input')!r:.80})", loc[0] if loc else None)
+        return JSONResponse(e.body(), status_code=400)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key is not None and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization") != f"Bearer {api_key}":
+                e = OpenAIError("the API key is missing or wrong: send 'Authorization: Bearer "
+                                "<key>'", status=401, code="invalid_api_key")
+                return JSONResponse(e.body(), status_code=401)
+        return await call_next(request)
+
+    def check_model(name: str | None) -> None:
+        if name not in (None, model_name):
+            raise OpenAIError(f"model={name!r} is invalid: this server serves {model_name!r}",
+                              "model", code="model_not_found")
+
+    async def submit(prompt, params, priority) -> RequestStream:
+        try:
+            return await engine.submit(prompt, params, priority)
+        except EngineStopped as err:
+            raise OpenAIError(str(err), status=503, kind="server_error") from None
+        except ValueError as err:
+            raise OpenAIError(str(err), param_of(str(err))) from None
+
+    # ------------------------------------------------------------------ plain endpoints
+    @app.get("/health")
+    async def health():
+        if engine.error is not None:
+            return JSONResponse({"status": "error", "error": repr(engine.error)}, 500)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        if engine.metrics is None:
+            return Response("", media_type="text/plain")
+        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                            "created": int(time.time()),
+                                            "owned_by": "workbench",
+                                            "max_model_len": max_model_len}]}
+
+    # ------------------------------------------------------------------ completions
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        check_model(body.model)
+        params = body.sampling_params(16, body.logprobs)
+        stream = await submit(body.prompt_input(), params, body.priority)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        n_top = body.logprobs
+
+        def choice(delta, text, offset):
+            return {"index": 0, "text": text, "finish_reason": delta.finish_reason,
+                    "logprobs": completion_logprobs(delta.logprobs, delta.token_ids, n_top,
+                                                    offset) if n_top is not None else None}
+
+        def chunk(choices, usage=None):
+            out = {"id": rid, "object": "text_completion", "created": created,
+                   "model": model_name, "choices": choices}
+            if usage is not None:
+                out["usage"] = usage
+            return out
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            async def events():
+                offset, generated = 0, 0
+                try:
+                    async for delta in stream:
+                        generated += len(delta.token_ids)
+                        yield sse(chunk([choice(delta, delta.text, offset)]))
+                        offset += len(delta.text)
+                    if include_usage:
+                        yield sse(chunk([], usage(stream.num_prompt_tokens, generated)))
+                    yield "data: [DONE]\n\n"
+                finally:
+                    stream.abort()            # a disconnected client: free the blocks now
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        whole = await collect(stream)
+        return chunk([choice(whole, whole.text, 0)],
+                     usage(stream.num_prompt_tokens, len(whole.token_ids)))
+
+    # ------------------------------------------------------------------ chat
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest):
+        check_model(body.model)
+        n_top = body.chat_logprobs()
+        params = body.sampling_params(max_model_len, n_top)
+        messages = [m.model_dump() for m in body.messages]
+        stream = await submit(lambda: engine.llm.apply_chat_template(messages), params,
+                              body.priority)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def lp(delta):
+            return chat_logprobs(delta.logprobs, delta.token_ids, n_top) \
+                if n_top is not None else None
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            def chunk(delta_body, finish_reason=None, logprobs=None, usage_body=None):
+                out = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                       "model": model_name,
+                       "choices": [{"index": 0, "delta": delta_body, "logprobs": logprobs,
+                                    "finish_reason": finish_reason}]
+                       if delta_body is not None else []}
+                if usage_body is not None:
+                    out["usage"] = usage_body
+                return out
+
+            async def events():
+                generated = 0
+                try:
+                    yield sse(chunk({"role": "assistant", "content": ""}))
+                    async for delta in stream:
+                        generated += len(delta.token_ids)
+                        body_ = {"content": delta.text} if delta.text else {}
+                        if body_ or delta.finished or delta.token_ids:
+                            yield sse(chunk(body_, delta.finish_reason, lp(delta)))
+                    if include_usage:
+                        yield sse(chunk(None, usage_body=usage(stream.num_prompt_tokens,
+                                                               generated)))
+                    yield "data: [DONE]\n\n"
+                finally:
+                    stream.abort()
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        whole = await collect(stream)
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": whole.text},
+                             "logprobs": lp(whole), "finish_reason": whole.finish_reason}],
+                "usage": usage(stream.num_prompt_tokens, len(whole.token_ids))}
+
+    return app
+
+
+async def collect(stream: RequestStream) -> Delta:
+    """A whole (non-streamed) answer: every Delta of the request joined into one."""
+    whole = Delta("", [], [])
+    try:
+        async for delta in stream:
+            whole.text += delta.text
+            whole.token_ids += delta.token_ids
+            whole.logprobs += delta.logprobs or []
+            whole.finished, whole.finish_reason = delta.finished, delta.finish_reason
+    finally:
+        stream.abort()                 # the client went away before the end: free the blocks
+    return whole
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _top(entries: dict, n: int) -> list:
+    """The n most likely (token id, Logprob) of one position."""
+    return sorted(entries.items(), key=lambda kv: -kv[1].logprob)[:n]
+
+
+def completion_logprobs(logprobs, token_ids, n_top: int, offset: int) -> dict:
+    """The legacy completions format: parallel lists per token."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for entries, tid in zip(logprobs or [], token_ids):
+        chosen = entries[tid]
+        tokens.append(chosen.decoded_token)
+        token_lps.append(chosen.logprob)
+        tops.append({lp.decoded_token: lp.logprob for _, lp in _top(entries, n_top)}
+                    if n_top else None)
+        offsets.append(offset)
+        offset += len(chosen.decoded_token or "")
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(logprobs, token_ids, n_top: int) -> dict:
+    """The chat format: one entry per token, with its bytes and its top alternatives."""
+    def entry(lp):
+        text = lp.decoded_token or ""
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+    content = []
+    for entries, tid in zip(logprobs or [], token_ids):
+        e = entry(entries[tid])
+        e["top_logprobs"] = [entry(lp) for _, lp in _top(entries, n_top)]
+        content.append(e)
+    return {"content": content}

@@ -1,0 +1,221 @@
+"""AsyncEngine: the engine on a thread of its own, requests from asyncio coroutines.
+
+The engine is not thread-safe, so exactly one thread touches it. Coroutines post commands (add a
+request, abort one) on a queue and get their answers through futures on their event loop; after
+every step the engine thread publishes each live request's new output as a `Delta` on the
+request's asyncio.Queue (loop.call_soon_threadsafe). A request's stream ends with a Delta whose
+`finished` is true, carrying the RequestOutput (with its metrics).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..llm import LLM
+from ..output_processor import OutputProcessor
+from ..outputs import Logprob, RequestOutput
+from ..sampling_params import SamplingParams
+
+
+@dataclass
+class Delta:
+    """What one request produced since its previous Delta."""
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None = None   # one dict per new token, when asked
+    finished: bool = False
+    finish_reason: str | None = None
+    output: RequestOutput | None = field(default=None, repr=False)   # on the last Delta
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    text_sent: int = 0
+    tokens_sent: int = 0
+    num_prompt_tokens: int = 0
+    last_token_time: float | None = None
+
+
+class EngineStopped(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, llm: LLM, metrics=None):
+        """metrics: a ServerMetrics (metrics.py), fed on the engine thread: every step record,
+        every gap between a request's tokens, every finished request."""
+        self.llm, self.engine = llm, llm.engine
+        self.metrics = metrics
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._stopping = False
+        self._shutdown_lock = threading.Lock()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="workbench-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ the coroutine side
+    async def submit(self, prompt: str | list[int] | Callable, params: SamplingParams,
+                     priority: int = 0, request_id: str | None = None) -> "RequestStream":
+        """Queue one request; returns its stream of Deltas once the engine accepted it. `prompt`
+        may be a callable returning token ids (run on the engine thread: chat templates use the
+        engine's tokenizer). An invalid request raises the engine's ValueError here."""
+        if self._stopping:
+            raise EngineStopped("the server is shutting down")
+        if self.error is not None:
+            raise EngineStopped(f"the engine failed: {self.error!r}")
+        loop = asyncio.get_running_loop()
+        request_id = request_id or f"req-{next(self._ids)}"
+        stream = _Stream(loop, asyncio.Queue())
+        added = loop.create_future()
+        self._post(("add", request_id, prompt, params, priority, stream, added))
+        await added
+        return RequestStream(self, request_id, stream)
+
+    def _post(self, command) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # ------------------------------------------------------------------ the engine thread
+    def _run(self) -> None:
+        try:
+            while True:
+                self._drain_commands()
+                if self._stopping and not self._streams:
+                    return
+                if self.engine.has_unfinished_requests():
+                    before = len(self.engine.trace)
+                    self.engine.step()
+                    if self.metrics is not None and len(self.engine.trace) > before:
+                        self.metrics.observe_step(self.engine, self.engine.trace[-1])
+                    self._publish()
+                else:
+                    if self.metrics is not None:
+                        self.metrics.idle(self.engine)
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+        except BaseException as err:                  # the engine broke: fail every stream
+            self.error = err
+            for rid, stream in list(self._streams.items()):
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, err)
+            self._streams.clear()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, rid, prompt, params, priority, stream, added = command
+                try:
+                    if callable(prompt):
+                        prompt = prompt()
+                    self.engine.add_request(prompt, params, request_id=rid, priority=priority)
+                    stream.num_prompt_tokens = len(self.engine.get_sequence(rid).prompt_token_ids)
+                    self._streams[rid] = stream
+                    stream.loop.call_soon_threadsafe(_resolve, added, None)
+                except Exception as err:               # ValueError: the request is invalid
+                    stream.loop.call_soon_threadsafe(_resolve, added, err)
+            elif command[0] == "abort":
+                rid = command[1]
+                if self._streams.pop(rid, None) is not None:
+                    self.engine.abort_request(rid)
+            elif command[0] == "stop":
+                self._stopping = True
+                for rid in list(self._streams):        # whatever is still running ends here
+                    stream = self._streams.pop(rid)
+                    self.engine.abort_request(rid)
+                    stream.loop.call_soon_threadsafe(
+                        stream.queue.put_nowait, Delta("", [], finished=True,
+                                                       finish_reason="abort"))
+
+    def _publish(self) -> None:
+        for rid, stream in list(self._streams.items()):
+            seq = self.engine.get_sequence(rid)
+            stable = OutputProcessor.stable_text_len(seq)
+            new_tokens = len(seq.output_token_ids) - stream.tokens_sent
+            if stable <= stream.text_sent and not new_tokens and not seq.is_finished:
+                continue
+            delta = Delta(seq.text[stream.text_sent:max(stable, stream.text_sent)],
+                          seq.output_token_ids[stream.tokens_sent:],
+                          seq.logprobs[stream.tokens_sent:] if seq.logprobs is not None else None)
+            stream.text_sent = max(stream.text_sent, stable)
+            stream.tokens_sent = len(seq.output_token_ids)
+            if new_tokens and self.metrics is not None:
+                if stream.last_token_time is not None:   # tokens of one step share the gap
+                    gap = (seq.last_token_time - stream.last_token_time) / new_tokens
+                    for _ in range(new_tokens):
+                        self.metrics.observe_token_gap(gap)
+                stream.last_token_time = seq.last_token_time
+            if seq.is_finished:
+                delta.finished, delta.finish_reason = True, seq.finish_reason
+                delta.output = self.engine.pop_output(rid)
+                del self._streams[rid]
+                if self.metrics is not None:
+                    self.metrics.observe_finished(delta.output, stream.num_prompt_tokens)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+
+    # ------------------------------------------------------------------ shutdown
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Let running requests finish for up to `timeout` seconds, then abort the rest (their
+        streams end with finish_reason "abort"), stop the thread and close the LLM."""
+        with self._shutdown_lock:                      # a signal and the app's lifespan both call it
+            self._stopping = True
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                self._post(("stop",))
+                self._thread.join(10)
+            self.llm.close()
+
+    @property
+    def num_active(self) -> int:
+        return len(self._streams)
+
+
+def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+class RequestStream:
+    """The Deltas of one request, as an async iterator. `abort()` (idempotent) frees the
+    request's blocks if it has not finished: call it when the client goes away."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream):
+        self.engine, self.request_id, self._stream = engine, request_id, stream
+        self.done = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self._stream.num_prompt_tokens
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self.done:
+            raise StopAsyncIteration
+        delta = await self._stream.queue.get()
+        if isinstance(delta, BaseException):
+            self.done = True
+            raise delta
+        self.done = delta.finished
+        return delta
+
+    def abort(self) -> None:
+        if not self.done:
+            self.done = True
+            self.engine._post(("abort", self.request_id))
