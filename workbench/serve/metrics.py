@@ -33,6 +33,11 @@ class ServerMetrics:
         self.itl = hist("inter_token_latency_seconds",
                         "Time between consecutive tokens of a request.", TOKEN_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to the last token.", E2E_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.",
+                          TTFT_BUCKETS)
+        self.prefill = hist("request_prefill_time_seconds",
+                            "First scheduled to first token (the prefill, chunks included).",
+                            TTFT_BUCKETS)
         self.running = gauge("num_requests_running", "Requests holding KV blocks.")
         self.waiting = gauge("num_requests_waiting", "Requests queued (new or preempted).")
         self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV blocks held by requests (0-1).")
@@ -76,6 +81,9 @@ class ServerMetrics:
             self.tpot.observe(m.tpot)
         if m.e2e_latency is not None:
             self.e2e.observe(m.e2e_latency)
+        if m.first_scheduled_time is not None and m.first_token_time is not None:
+            self.queue.observe(m.first_scheduled_time - m.arrival_time)
+            self.prefill.observe(m.first_token_time - m.first_scheduled_time)
         reason = output.outputs[0].finish_reason or "abort"
         self._success.labels(self.model, reason).inc()
 
