@@ -3,8 +3,9 @@
     batch  = scheduler.schedule()          which sequences run, how many tokens each (and which
                                            blocks they hold, after any preemption or swap)
     runner.apply_block_ops(...)            swap-out, swap-in and copy-on-write block copies
-    inputs = runner.prepare(batch)         packed token ids, positions, attention metadata
-    logits = runner.forward(inputs)        one forward pass for the whole batch
+    inputs = plan_step(batch, blocks)      token ids, positions, block tables, logits rows
+    logits = runner.execute(inputs)        one forward pass for the whole batch (in this process,
+                                           or posted to the workers of a parallel engine)
     tokens = sampler(logits)               one new token per sequence that finished its prompt
                                            (speculative decoding: the drafter proposes k tokens
                                            after scheduling; verify() keeps a prefix of them, plus
@@ -74,7 +75,7 @@ class LLMEngine:
             for sched in self.schedulers:
                 sched.others_hold_blocks = self._others_hold_blocks(sched)
         self._in_flight: list = []                   # (scheduler, batch, ops, step number, times)
-        if self.runner is None and self.model is not None:
+        if self.model is not None:                  # a single-process engine runs its own model
             self.runner = ModelRunner(self.model, self.cache, self.blocks, self.backend,
                                       self.device)
         self.sampler = Sampler(config.seed)

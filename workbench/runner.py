@@ -69,10 +69,6 @@ class StepInputs:
     prompt_rows: dict[int, tuple[int, int, int]]  # seq index -> (first prompt position, row, count)
     ops: BlockOps | None = None           # block copies to apply before the forward
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(t) for t, _ in self.rows)
-
 
 def plan_step(batch: ScheduledBatch, blocks: BlockManager, ops: BlockOps | None = None
               ) -> StepInputs:
