@@ -398,3 +398,13 @@ def test_router_policies_choose_as_documented():
     assert [rr.choose({}) for _ in range(4)] == [0, 1, 0, 1]
     with pytest.raises(ValueError, match="policy='nearest' is invalid"):
         Router(["http://a"], "nearest")
+
+
+def test_percentiles_interpolate_like_vllms_benchmark():
+    """Linear interpolation between ranks (np.percentile's default, used by vLLM's serving
+    benchmark), not the nearest rank: an even count has a p50 between its two middle values."""
+    from workbench.loadgen import percentiles
+    assert percentiles([2.0, 1.0]) == {"p50": 1.5, "p90": 1.9, "p99": 1.99, "mean": 1.5}
+    assert percentiles([1.0, 2.0, 3.0, 4.0])["p50"] == 2.5
+    assert percentiles([5.0])["p99"] == 5.0
+    assert percentiles([]) == {"p50": None, "p90": None, "p99": None, "mean": None}

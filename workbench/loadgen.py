@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import httpx
+import numpy as np
 
 
 @dataclass
@@ -135,9 +136,10 @@ async def run(url: str, requests: list[dict], gaps: list[float], model: str | No
 def percentiles(values: list[float], ps=(50, 90, 99)) -> dict[str, float | None]:
     if not values:
         return {f"p{p}": None for p in ps} | {"mean": None}
-    ordered = sorted(values)
-    out = {f"p{p}": ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
-           for p in ps}
+    # Linear interpolation between the two nearest ranks: numpy's default, as vLLM's serving
+    # benchmark computes them (np.percentile), so p50 of [1, 2] is 1.5.
+    quantiles = np.percentile(np.asarray(values, dtype=float), list(ps))
+    out = {f"p{p}": float(q) for p, q in zip(ps, quantiles)}
     out["mean"] = statistics.fmean(values)
     return out
 

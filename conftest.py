@@ -1,0 +1,53 @@
+"""nbval runs of the chapters and labs must fit Binder: at SMOKE sizes, each chapter's kernel together with
+every process it starts (parallel workers, servers) must peak under WORKBENCH_MEMORY_BUDGET_MIB
+(default 2048: Binder gives 1-2 GB). The peak (summed PSS, sampled every 0.2 s) is checked when a
+chapter's last cell is torn down, so an over-budget chapter shows up as an error on that cell, and
+every chapter's peak is printed at the end of the run."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from workbench.memory import PeakMemory
+
+BUDGET_MIB = float(os.environ.get("WORKBENCH_MEMORY_BUDGET_MIB", "2048"))
+ENFORCED = os.environ.get("WORKBENCH_SMOKE", "0") == "1"     # full sizes are for real machines
+_samplers: dict[str, PeakMemory] = {}
+_peaks: dict[str, float] = {}
+
+
+def _kernel_pid(item) -> int | None:
+    kernel = getattr(item.parent, "kernel", None)
+    provisioner = getattr(getattr(kernel, "km", None), "provisioner", None)
+    return getattr(provisioner, "pid", None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield                                   # the notebook's kernel starts in its parent's setup
+    name = item.parent.name
+    if name not in _samplers and name.endswith(".ipynb"):
+        pid = _kernel_pid(item)
+        if pid:
+            _samplers[name] = PeakMemory(pid).start()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    name = item.parent.name
+    if name not in _samplers or (nextitem is not None and nextitem.parent is item.parent):
+        return
+    peak_mib = _samplers.pop(name).stop() / 2**20
+    _peaks[name] = peak_mib
+    if ENFORCED and peak_mib > BUDGET_MIB:
+        raise AssertionError(
+            f"{name} peaked at {peak_mib:,.0f} MiB (kernel and its child processes, PSS) at SMOKE "
+            f"sizes, over the {BUDGET_MIB:,.0f} MiB budget: it would not run on Binder")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _peaks:
+        terminalreporter.write_sep("-", "peak memory per notebook (kernel + children, PSS)")
+        for name, mib in _peaks.items():
+            terminalreporter.write_line(f"{name:40s} {mib:8,.0f} MiB"
+                                        + ("  OVER BUDGET" if ENFORCED and mib > BUDGET_MIB else ""))

@@ -1,0 +1,58 @@
+"""Key numbers a chapter measured, recorded where the report can find them.
+
+    from workbench.results import record
+    record("speedup_sdpa", speedup, "x", "SDPA vs naive attention at S=1024")
+
+`record` displays the number (a one-line text a learner sees under the cell) together with a
+machine-readable copy under its own MIME type. Papermill keeps every cell's outputs, so the report
+(`python -m workbench.report`) reads the numbers back from the executed notebook: no side files, no
+global state, and a number exists only if the cell that measured it ran.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+MIME_TYPE = "application/vnd.workbench.result+json"
+
+
+def _check(key: str, value) -> float:
+    if not isinstance(key, str) or not key.replace("_", "").isalnum():
+        raise ValueError(f"key={key!r} is invalid: use letters, digits and underscores")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"value={value!r} for {key!r} is invalid: a real number is required")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"value={value!r} for {key!r} is invalid: it must be finite")
+    return value
+
+
+def format_value(value: float, unit: str = "") -> str:
+    text = f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+    if not unit:
+        return text
+    return f"{text}{unit}" if unit in ("x", "%") else f"{text} {unit}"
+
+
+def record(key: str, value, unit: str = "", label: str = "") -> dict:
+    """Show one measured number and mark it for the report. Returns the record."""
+    from IPython.display import display
+    entry = {"key": key, "value": _check(key, value), "unit": unit, "label": label or key}
+    text = f"recorded {entry['label']}: {format_value(entry['value'], unit)}"
+    display({MIME_TYPE: entry, "text/plain": text}, raw=True)
+    return entry
+
+
+def records_in(nb) -> list[dict]:
+    """Every record in an executed notebook (an nbformat node or its dict), in cell order; a key
+    recorded twice keeps its last value."""
+    found: dict[str, dict] = {}
+    for cell in nb["cells"]:
+        for out in cell.get("outputs", []) if cell.get("cell_type") == "code" else []:
+            data = out.get("data", {}) if out.get("output_type") in ("display_data",
+                                                                      "execute_result") else {}
+            if MIME_TYPE in data:
+                entry = dict(data[MIME_TYPE])
+                found.pop(entry["key"], None)
+                found[entry["key"]] = entry
+    return list(found.values())
