@@ -2,9 +2,8 @@
 
 Each notebook's kernel together with every process it starts (parallel workers, servers) is
 sampled every 0.2 s (summed PSS) and its peak printed at the end of the run. With
-WORKBENCH_MEMORY_BUDGET_MIB set (e.g. 2048) and SMOKE sizes, a notebook that peaks over it fails
-(an error on its last cell). Not enforced by default yet: chapters 06-08 were measured over 2 GB in
-earlier runs and have not been slimmed down (see the README's Binder section)."""
+WORKBENCH_MEMORY_BUDGET_MIB set and SMOKE sizes, a notebook that peaks over it fails (an error on
+its last cell). `./run test` sets 2048 (Binder's limit, 2 GiB): every chapter must fit."""
 from __future__ import annotations
 
 import os

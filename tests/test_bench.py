@@ -36,3 +36,40 @@ def test_kernels_benchmark_rows_through_the_interpreter():
     text = kb.summary({"gpu": "cpu", "torch": "x", "triton": "y", "flash_attention": fa,
                        "paged_decode": dec})
     assert "FlashAttention forward vs SDPA" in text and "paged decode" in text
+
+
+def test_anatomy_splits_a_decode_step_into_measured_parts(tiny_llm):
+    """The profiler sees the model's own operators inside the forward: matmuls and attention are
+    nonzero, every part is non-negative, and the parts account for the whole step (they are the
+    step's phases plus the forward split by operator)."""
+    from workbench.bench.anatomy import anatomy, categorize
+    assert categorize("aten::mm") == categorize("aten::_weight_int4pack_mm_for_cpu") == "matmul"
+    assert categorize("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert categorize("aten::index_copy_") == "attention"
+    assert categorize("aten::mul") == "other ops"
+    a = anatomy(tiny_llm, [5, 6, 7, 8, 9], new_tokens=12, profiled_steps=4)
+    parts = a["parts_s"]
+    assert set(parts) == {"schedule + prepare", "matmul", "attention", "other ops", "overhead",
+                          "sample", "postprocess"}
+    assert parts["matmul"] > 0 and parts["attention"] > 0 and parts["other ops"] > 0
+    assert all(v >= 0 for v in parts.values())
+    assert a["tok_s"] == 1 / a["step_s"]
+
+
+def test_speed_ladder_rows_and_targets_on_a_tiny_model(tiny_folder):
+    """The ladder's plumbing (the speeds themselves are for `python -m workbench.bench speed`):
+    every row runs, engine rows carry their bandwidth arithmetic, targets read from the results."""
+    from workbench.bench import speed
+    rows = {"engine eager fp32": dict(dtype="float32"),
+            "engine compiled INT4": dict(dtype="bfloat16", quantization="int4")}
+    lad = speed.ladder(model=str(tiny_folder), new_tokens=8, repeats=1, rows=rows, llama_cpp=False)
+    assert set(rows) | set(speed.HF_ROWS) <= set(lad["rows"])
+    for label in rows:
+        r = lad["rows"][label]
+        assert r["tok_s"] > 0 and r["achieved_gbs"] > 0
+        assert abs(r["fraction_of_copy_bandwidth"] - r["achieved_gbs"] / lad["copy_bandwidth_gbs"]) < 1e-9
+    result = {"ladder": lad, "targets": []}
+    for name, read, bar in speed.TARGETS[:1]:
+        value = read(result)
+        assert value is None                   # no llama.cpp row here: the target is skipped
+    assert "engine eager fp32" in speed.format_table(dict(result, targets=[]))

@@ -11,12 +11,18 @@ _os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 _os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
-from .config import EngineConfig  # noqa: E402
-from .engine import LLMEngine  # noqa: E402
-from .llm import LLM  # noqa: E402
-from .outputs import CompletionOutput, Logprob, RequestOutput, StreamChunk  # noqa: E402
-from .sampling_params import SamplingParams  # noqa: E402
-
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput",
            "CompletionOutput", "Logprob", "StreamChunk"]
+_WHERE = {"EngineConfig": "config", "LLMEngine": "engine", "LLM": "llm",
+          "CompletionOutput": "outputs", "Logprob": "outputs", "RequestOutput": "outputs",
+          "StreamChunk": "outputs", "SamplingParams": "sampling_params"}
+
+
+def __getattr__(name: str):
+    """Import on first use (PEP 562): `from workbench import LLM` works as usual, while processes
+    that need no model, such as the router, never import torch (about 220 MB per process)."""
+    if name in _WHERE:
+        import importlib
+        return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    raise AttributeError(f"module 'workbench' has no attribute {name!r}")

@@ -82,6 +82,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     num_threads: int | None = None       # CPU threads for torch; None leaves torch's choice
+    compile: bool = False                # torch.compile the forward, attention opaque (models/compile.py)
     # The paged KV cache.
     block_size: int = 16                 # tokens per KV block
     num_kv_blocks: int | None = None     # size of the pool in blocks, or
@@ -131,6 +132,12 @@ class EngineConfig:
                              f"values are {', '.join(ATTENTION_BACKENDS)}")
         if self.num_threads is not None:
             _positive_int("num_threads", self.num_threads)
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile={self.compile!r} is invalid: allowed are True, False")
+        if self.compile and self.world_size > 1:
+            raise ValueError(f"compile=True is invalid with {self.world_size} worker processes: "
+                             "compilation is for a single-process engine (tensor_parallel_size, "
+                             "pipeline_parallel_size and expert_parallel_size must be 1)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r} is invalid: it must be an integer")
         _positive_int("block_size", self.block_size)

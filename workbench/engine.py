@@ -77,7 +77,7 @@ class LLMEngine:
         self._in_flight: list = []                   # (scheduler, batch, ops, step number, times)
         if self.model is not None:                  # a single-process engine runs its own model
             self.runner = ModelRunner(self.model, self.cache, self.blocks, self.backend,
-                                      self.device)
+                                      self.device, compile=config.compile)
         self.sampler = Sampler(config.seed)
         self.drafter = None
         if config.spec_config is not None:
@@ -151,6 +151,8 @@ class LLMEngine:
             calibration = calibration_windows(self.tokenizer, cfg.num_calibration_windows,
                                               cfg.calibration_window_len)
         quantize_model(self.model, cfg, calibration)
+        from .memory import release_memory
+        release_memory()        # the full-precision weights the quantized layers replaced
 
     def save_quantized(self, path) -> str:
         """Write the quantized model as a folder that LLM(model=path) loads (quant/checkpoint.py)."""

@@ -65,3 +65,15 @@ class PeakMemory:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def release_memory() -> None:
+    """Collect garbage and hand freed heap back to the OS: glibc keeps freed memory for reuse, so
+    a deleted model still counts against a memory limit (Binder's) until malloc_trim."""
+    import ctypes
+    import gc
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):      # not glibc: nothing to hand back
+        pass

@@ -98,9 +98,13 @@ class ModelRunner:
     single-process engine owns one; each worker process of a parallel engine owns one per shard."""
 
     def __init__(self, model: LlamaModel, cache: PagedKVCache, blocks: BlockManager | None,
-                 backend, device: torch.device):
+                 backend, device: torch.device, compile: bool = False):
         self.model, self.cache, self.blocks = model, cache, blocks
         self.backend, self.device = backend, device
+        self.forward_fn = model          # or the compiled forward (compiles on its first call)
+        if compile:
+            from .models.compile import CompiledForward
+            self.forward_fn = CompiledForward(model)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         rows = [(seq.scheduled_tokens(seq.num_computed_tokens, n), seq.num_computed_tokens)
@@ -126,7 +130,7 @@ class ModelRunner:
         if step.ops:
             self.cache.apply(step.ops)
         input_ids, positions, meta = packed or self.pack(step.rows, step.tables)
-        hidden = self.model(input_ids, positions, self.cache.kv_caches, meta, self.backend)
+        hidden = self.forward_fn(input_ids, positions, self.cache.kv_caches, meta, self.backend)
         return self.logits(hidden, step)
 
     def logits(self, hidden: torch.Tensor, step: StepInputs) -> ForwardOutput:

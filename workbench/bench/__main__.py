@@ -10,6 +10,9 @@ parallel:      tensor/pipeline/expert-parallel layouts vs one process: tok/s, th
                in collectives, bytes per step (python -m workbench.bench parallel --help).
 spec:          speculative decoding: every drafter vs plain decoding on single-stream, and the
                speedup against batch size (python -m workbench.bench spec --help).
+speed:         the speed ladder (eager, compiled, bf16, INT8, INT4, transformers, llama.cpp),
+               where a decode step's time goes, offline-mixed against both peers, and the
+               performance targets met or not (python -m workbench.bench speed --help).
 """
 from __future__ import annotations
 
@@ -37,6 +40,9 @@ def main(argv=None) -> None:
     if argv[:1] == ["spec"]:
         from . import spec
         return spec.main(argv[1:])
+    if argv[:1] == ["speed"]:
+        from . import speed
+        return speed.main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m workbench.bench", description=__doc__)
     ap.add_argument("workload", nargs="?", default="single-stream", choices=sorted(WORKLOADS))
     ap.add_argument("--dtypes", nargs="+", default=None,

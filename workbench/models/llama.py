@@ -137,6 +137,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
+    """The attention projections and sizes; DecoderLayer runs them around the backend's call."""
+
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.num_heads, self.num_kv_heads = args.num_attention_heads, args.num_key_value_heads
@@ -146,15 +148,6 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
-
-    def forward(self, x, rope, kv_cache, meta, backend):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = backend.ops.rotary(q, k, rope)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -180,16 +173,37 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, rope, kv_cache, meta, backend):
         """x: the previous layer's output (not yet added to the residual stream); residual: the
-        stream so far (None in the first layer). The add is fused into each norm, as in vLLM."""
-        ops = backend.ops
+        stream so far (None in the first layer). The add is fused into each norm, as in vLLM.
+
+        The layer is three calls so that the dense parts around attention, which see only
+        this step's tokens, can be compiled (torch.compile fuses their dozens of small ops) while
+        the attention call, which reads the paged cache with a different shape every step, stays
+        eager: see models/compile.py."""
+        q, k, v, residual = self.pre_attention(x, residual, rope, backend.ops)
+        attn = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.self_attn.scale)
+        return self.post_attention(attn, residual, backend.ops)
+
+    def pre_attention(self, x, residual, rope, ops):
+        """Residual add + input norm, the QKV projection and rotary: q (T, H, D), k and v
+        (T, KVH, D), and the residual stream."""
+        norm = self.input_layernorm
         if residual is None:
-            x, residual = ops.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps), x
+            x, residual = ops.rms_norm(x, norm.weight, norm.eps), x
         else:
-            x, residual = ops.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps,
-                                       residual)
-        x = self.self_attn(x, rope, kv_cache, meta, backend)
-        x, residual = ops.rms_norm(x, self.post_attention_layernorm.weight,
-                                   self.post_attention_layernorm.eps, residual)
+            x, residual = ops.rms_norm(x, norm.weight, norm.eps, residual)
+        attn = self.self_attn
+        q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q = q.view(-1, attn.num_heads, attn.head_dim)
+        k = k.view(-1, attn.num_kv_heads, attn.head_dim)
+        v = v.view(-1, attn.num_kv_heads, attn.head_dim)
+        q, k = ops.rotary(q, k, rope)
+        return q, k, v, residual
+
+    def post_attention(self, attn_out, residual, ops):
+        """The output projection, residual add + post-attention norm, and the MLP."""
+        x = self.self_attn.o_proj(attn_out)
+        norm = self.post_attention_layernorm
+        x, residual = ops.rms_norm(x, norm.weight, norm.eps, residual)
         return self.mlp(x), residual
 
 

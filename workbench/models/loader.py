@@ -10,6 +10,7 @@ The same folder is what tests hand to transformers, so engine and oracle read id
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
@@ -122,44 +123,66 @@ FUSED = {"self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("se
 
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device,
-               max_positions: int | None = None) -> LlamaModel:
+               max_positions: int | None = None, on_layer=None) -> LlamaModel:
     """Build the model without initializing it (meta device), then fill in the checkpoint one
     tensor at a time, cast to `dtype` as it is read: peak memory stays near the final model's
     size plus one fp32 tensor. transformers' q/k/v and gate/up tensors are written straight into
-    their slices of our fused `qkv_proj` and `gate_up_proj`."""
+    their slices of our fused `qkv_proj` and `gate_up_proj`.
+
+    Decoder layers are allocated one at a time, just before they are filled, and handed to
+    `on_layer(index, layer)` once complete: a tensor-parallel worker keeps its slices there
+    (parallel/tensor.py), so it never holds more than its shard plus one whole layer."""
     from safetensors import safe_open
     args = read_args(folder)
     with torch.device("meta"):
         model = LlamaModel(args, max_positions)
-    model.to_empty(device=device)
-    model.to(dtype)
+
+    def materialize(module):
+        module.to_empty(device=device)
+        module.to(dtype)
+
+    for name, child in model.named_children():
+        if name != "layers":
+            materialize(child)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    params = dict(model.named_parameters(remove_duplicate=False))
     q, kv = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim
     offsets = {"self_attn.qkv_proj": [0, q, q + kv], "mlp.gate_up_proj": [0, args.intermediate_size]}
-    filled = set()
+    by_part: dict[str, list] = {}          # "" (embedding, norm, head) or "layers.<i>"
     for f in sorted(folder.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
             for hf_name in st.keys():
                 name = hf_name.removeprefix("model.")
                 if name == "lm_head.weight" and args.tie_word_embeddings:
                     continue
-                tensor = st.get_tensor(hf_name)
-                key = next((k for k in FUSED if f".{k}." in name), None)
-                if key is not None:
-                    fused, part = FUSED[key]
-                    target_name = name.replace(key, fused)
-                    start = offsets[fused][part]
-                    params[target_name].data[start:start + tensor.shape[0]].copy_(tensor)
-                    filled.add(f"{target_name}#{part}")
-                elif name in params:
-                    params[name].data.copy_(tensor)
-                    filled.add(name)
-                else:
-                    raise ValueError(f"checkpoint {folder} does not fit the Llama architecture: "
-                                     f"unexpected tensor {hf_name}")
-                del tensor
+                part = ".".join(name.split(".")[:2]) if name.startswith("layers.") else ""
+                by_part.setdefault(part, []).append((f, hf_name, name))
+    rest = {n: p for n, p in model.named_parameters() if not n.startswith("layers.")}
+    _fill(folder, by_part.pop("", []), rest, offsets, args)
+    for i, layer in enumerate(model.layers):
+        materialize(layer)
+        params = {f"layers.{i}.{n}": p for n, p in layer.named_parameters()}
+        _fill(folder, by_part.pop(f"layers.{i}", []), params, offsets, args)
+        if on_layer is not None:
+            on_layer(i, layer)
+    if by_part:
+        extra = [hf for entries in by_part.values() for _, hf, _ in entries]
+        raise ValueError(f"checkpoint {folder} does not fit the Llama architecture: "
+                         f"unexpected tensor {extra[0]}")
+    model.rotary.rebuild(device)
+    return model.eval()
+
+
+def _fill(folder, entries, params: dict, offsets: dict, args) -> None:
+    """Copy checkpoint tensors into `params` (one part of the model); every one must be filled."""
+    from safetensors import safe_open
+    filled = set()
+    # Each part opens the files itself and closes them after: safetensors maps the whole file,
+    # and the pages read stay counted in the process's memory until the mapping is closed.
+    with contextlib.ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(str(f), framework="pt"))
+                   for f in sorted({f for f, _, _ in entries})}
+        _copy_into(folder, entries, handles, params, offsets, filled)
     expected = set()
     for name in params:
         if name == "lm_head.weight" and args.tie_word_embeddings:
@@ -171,8 +194,34 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device,
     if missing:
         raise ValueError(f"checkpoint {folder} does not fit the Llama architecture: "
                          f"missing {missing[:4]}")
-    model.rotary.rebuild(device)
-    return model.eval()
+
+
+CHUNK_ROWS = 4096
+
+
+def _copy_into(folder, entries, handles, params: dict, offsets: dict, filled: set) -> None:
+    for f, hf_name, name in entries:
+        key = next((k for k in FUSED if f".{k}." in name), None)
+        if key is None and name in params:
+            # Unfused tensors are copied in slices of rows: the embedding alone is 113 MB in
+            # fp32, and a whole temporary copy of it would double that at the peak.
+            rows = handles[f].get_slice(hf_name)
+            n = rows.get_shape()[0]
+            for a in range(0, n, CHUNK_ROWS):
+                params[name].data[a:a + CHUNK_ROWS].copy_(rows[a:min(a + CHUNK_ROWS, n)])
+            filled.add(name)
+            continue
+        tensor = handles[f].get_tensor(hf_name)
+        if key is not None:
+            fused, part = FUSED[key]
+            target_name = name.replace(key, fused)
+            start = offsets[fused][part]
+            params[target_name].data[start:start + tensor.shape[0]].copy_(tensor)
+            filled.add(f"{target_name}#{part}")
+        else:
+            raise ValueError(f"checkpoint {folder} does not fit the Llama architecture: "
+                             f"unexpected tensor {hf_name}")
+        del tensor
 
 
 def load_tokenizer(folder: Path):

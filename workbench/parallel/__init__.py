@@ -54,4 +54,7 @@ def start_workers(config, checkpoint, args):
     if torchrun_rank() is not None:
         return start_under_torchrun(config, checkpoint, args)
     layout = check_layout(config, args)
-    return DistributedExecutor(worker_spec(config, checkpoint, layout), layout)
+    spec = worker_spec(config, checkpoint, layout)
+    # Spawned CPU workers share this machine's memory: they load one at a time (worker.py).
+    spec.staggered_load = config.torch_device.type == "cpu"
+    return DistributedExecutor(spec, layout)

@@ -82,44 +82,59 @@ def _rows(w: torch.Tensor, start: int, n: int) -> torch.Tensor:
 
 def shard_model(model, rank: int, size: int, comm: Comm) -> None:
     """Keep this rank's slices of every weight; the model then computes its share of each layer."""
-    args = model.args
-    check_tensor_parallel(args, size)
+    check_tensor_parallel(model.args, size)
+    for layer in model.layers:
+        shard_layer(layer, model.args, rank, size, comm)
+    shard_vocabulary(model, rank, size, comm)
+
+
+def shard_layer(layer, args, rank: int, size: int, comm: Comm) -> None:
+    """One decoder layer: column-parallel qkv and gate/up, row-parallel o_proj and down_proj.
+    Also usable while loading (models/loader.py's on_layer), one layer at a time."""
     heads, kv_heads = args.num_attention_heads // size, args.num_key_value_heads // size
     d = args.head_dim
     inter = args.intermediate_size // size
-    for layer in model.layers:
-        attn = layer.self_attn
-        w = attn.qkv_proj.weight.data
-        q, k, v = w.split([attn.q_size, attn.kv_size, attn.kv_size])
-        qkv = torch.cat([_rows(q, rank * heads * d, heads * d), _rows(k, rank * kv_heads * d,
-                         kv_heads * d), _rows(v, rank * kv_heads * d, kv_heads * d)])
-        attn.qkv_proj = nn.Linear(qkv.shape[1], qkv.shape[0], bias=False, device=w.device,
-                                  dtype=w.dtype)
-        attn.qkv_proj.weight.data = qkv
-        cols = slice(rank * heads * d, (rank + 1) * heads * d)
-        attn.o_proj = RowParallelLinear(attn.o_proj.weight.data[:, cols], comm)
-        attn.num_heads, attn.num_kv_heads = heads, kv_heads
-        attn.q_size, attn.kv_size = heads * d, kv_heads * d
-        mlp = layer.mlp
-        gate, up = mlp.gate_up_proj.weight.data.chunk(2)
-        gu = torch.cat([_rows(gate, rank * inter, inter), _rows(up, rank * inter, inter)])
-        mlp.gate_up_proj = nn.Linear(gu.shape[1], gu.shape[0], bias=False, device=gu.device,
-                                     dtype=gu.dtype)
-        mlp.gate_up_proj.weight.data = gu
-        mlp.down_proj = RowParallelLinear(mlp.down_proj.weight.data[:, rank * inter:(rank + 1)
-                                                                    * inter], comm)
+    attn = layer.self_attn
+    w = attn.qkv_proj.weight.data
+    q, k, v = w.split([attn.q_size, attn.kv_size, attn.kv_size])
+    qkv = torch.cat([_rows(q, rank * heads * d, heads * d), _rows(k, rank * kv_heads * d,
+                     kv_heads * d), _rows(v, rank * kv_heads * d, kv_heads * d)])
+    attn.qkv_proj = nn.Linear(qkv.shape[1], qkv.shape[0], bias=False, device=w.device,
+                              dtype=w.dtype)
+    attn.qkv_proj.weight.data = qkv
+    cols = slice(rank * heads * d, (rank + 1) * heads * d)
+    attn.o_proj = RowParallelLinear(attn.o_proj.weight.data[:, cols], comm)
+    attn.num_heads, attn.num_kv_heads = heads, kv_heads
+    attn.q_size, attn.kv_size = heads * d, kv_heads * d
+    mlp = layer.mlp
+    gate, up = mlp.gate_up_proj.weight.data.chunk(2)
+    gu = torch.cat([_rows(gate, rank * inter, inter), _rows(up, rank * inter, inter)])
+    mlp.gate_up_proj = nn.Linear(gu.shape[1], gu.shape[0], bias=False, device=gu.device,
+                                 dtype=gu.dtype)
+    mlp.gate_up_proj.weight.data = gu
+    mlp.down_proj = RowParallelLinear(mlp.down_proj.weight.data[:, rank * inter:(rank + 1)
+                                                                * inter], comm)
+
+
+def shard_vocabulary(model, rank: int, size: int, comm: Comm) -> None:
+    """The embedding and the LM head: vocabulary-parallel rows."""
+    args = model.args
     per_rank = -(-args.vocab_size // size)         # the last rank's slice is padded with zeros
     tied = model.lm_head.weight is model.embed_tokens.weight
-    table = model.embed_tokens.weight.data
-    padded = torch.zeros(per_rank * size, table.shape[1], dtype=table.dtype, device=table.device)
-    padded[:args.vocab_size] = table
-    model.embed_tokens = VocabParallelEmbedding(_rows(padded, rank * per_rank, per_rank),
-                                                rank * per_rank, comm)
+    start = rank * per_rank
+    model.embed_tokens = VocabParallelEmbedding(
+        _vocab_rows(model.embed_tokens.weight.data, start, per_rank), start, comm)
     if tied:
         head = model.embed_tokens.weight
     else:
-        head_w = model.lm_head.weight.data
-        padded = torch.zeros_like(padded)
-        padded[:args.vocab_size] = head_w
-        head = _rows(padded, rank * per_rank, per_rank)
+        head = _vocab_rows(model.lm_head.weight.data, start, per_rank)
     model.lm_head = VocabParallelLMHead(head, args.vocab_size, comm)
+
+
+def _vocab_rows(table: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    """Rows [start, start + n) of a vocabulary table, zeros past its end (no padded full copy)."""
+    out = torch.zeros(n, table.shape[1], dtype=table.dtype, device=table.device)
+    end = min(start + n, table.shape[0])
+    if end > start:
+        out[:end - start] = table[start:end]
+    return out

@@ -9,6 +9,7 @@ Data plane: process groups (gloo on CPU, NCCL on CUDA) for all-reduce, send/recv
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
@@ -54,6 +55,7 @@ class WorkerSpec:
     store_host: str
     store_port: int
     collective_timeout_s: float = 120.0
+    staggered_load: bool = False      # one rank loads at a time (processes spawned on one machine)
 
 
 def _groups(layout, rank: int):
@@ -68,35 +70,64 @@ def _groups(layout, rank: int):
     return mine, Comm(None, list(range(layout.world_size)))
 
 
-def build_shard(spec: WorkerSpec, rank: int, device: torch.device):
+@contextlib.contextmanager
+def _one_load_at_a_time(store, rank: int, staggered: bool):
+    """Workers spawned on one machine load one after another: each first reads the whole
+    checkpoint and then keeps its shard, so loading together would need world_size full copies of
+    the model at once (the Binder budget of chapter 07). Rank r waits for rank r - 1's key."""
+    if staggered and store is not None and rank > 0:
+        wait_key(store, f"loaded/{rank - 1}")
+    try:
+        yield
+    finally:
+        if staggered and store is not None:
+            store.set(f"loaded/{rank}", b"1")
+
+
+def build_shard(spec: WorkerSpec, rank: int, device: torch.device, store=None):
     """Load the checkpoint, keep this rank's part, allocate its KV cache."""
     from pathlib import Path
 
     from ..attention import get_attention_backend
     from ..config import DTYPES
     from ..kv.paged_cache import PagedKVCache
-    from ..models.loader import load_model
+    from ..memory import release_memory
+    from ..models.loader import load_model, read_args
     from ..runner import ModelRunner
     from .layout import Layout
-    from .moe import moefy, place_experts
+    from .moe import ExpertParallelMoE, MoEMLP
     from .pipeline import Stage, stage_layers
-    from .tensor import shard_model
+    from .tensor import check_tensor_parallel, shard_layer, shard_vocabulary
 
     layout = Layout(spec.tensor, spec.pipeline, spec.expert)
     group_comm, world_comm = _groups(layout, rank)
     dtype = DTYPES[spec.dtype]
-    model = load_model(Path(spec.checkpoint), dtype, device, spec.max_model_len)
-    if spec.moe:
-        moefy(model, spec.moe["num_experts"], spec.moe["top_k"])
+    layer_args = read_args(Path(spec.checkpoint))
     if spec.tensor > 1:
-        shard_model(model, layout.group_rank(rank), spec.tensor, group_comm)
-    if spec.expert > 1:
-        place_experts(model, group_comm)
-    s = layout.stage_of(rank)
-    layers = stage_layers(model.args.num_hidden_layers, spec.pipeline)[s]
-    stage = Stage(model, layers, s, spec.pipeline, world_comm,
-                  layout.peer(rank, s - 1) if s > 0 else None,
-                  layout.peer(rank, s + 1) if s < spec.pipeline - 1 else None)
+        check_tensor_parallel(layer_args, spec.tensor)
+    with _one_load_at_a_time(store, rank, spec.staggered_load):
+        tp_rank = layout.group_rank(rank)
+
+        def prepare_layer(i, layer):
+            """This rank's part of one layer, made as soon as the layer is loaded, so that the
+            whole model is never in memory: experts cut, then kept, or tensor slices kept."""
+            if spec.moe:
+                layer.mlp = MoEMLP(layer.mlp, spec.moe["num_experts"], spec.moe["top_k"])
+            if spec.tensor > 1:
+                shard_layer(layer, layer_args, tp_rank, spec.tensor, group_comm)
+            if spec.expert > 1:
+                layer.mlp = ExpertParallelMoE(layer.mlp, group_comm)
+
+        model = load_model(Path(spec.checkpoint), dtype, device, spec.max_model_len,
+                           on_layer=prepare_layer)
+        if spec.tensor > 1:
+            shard_vocabulary(model, tp_rank, spec.tensor, group_comm)
+        s = layout.stage_of(rank)
+        layers = stage_layers(model.args.num_hidden_layers, spec.pipeline)[s]
+        stage = Stage(model, layers, s, spec.pipeline, world_comm,
+                      layout.peer(rank, s - 1) if s > 0 else None,
+                      layout.peer(rank, s + 1) if s < spec.pipeline - 1 else None)
+        release_memory()        # the full-size tensors and other stages' layers just dropped
     local_args = dataclasses.replace(
         model.args, num_hidden_layers=len(layers),
         num_key_value_heads=model.args.num_key_value_heads // spec.tensor)
@@ -119,7 +150,7 @@ def run_step(stage, runner, step):
 def serve(spec: WorkerSpec, rank: int, store, device: torch.device, parent_pid: int | None):
     """Build the shard, then run steps until "stop". Errors are posted for the driver to raise."""
     try:
-        layout, stage, runner, comms = build_shard(spec, rank, device)
+        layout, stage, runner, comms = build_shard(spec, rank, device, store)
     except Exception as err:          # a bad layout or checkpoint: the driver raises it
         _post_error(store, rank, err)
         return

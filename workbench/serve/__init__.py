@@ -13,7 +13,14 @@
 Every request shares the engine's continuous batch; a client that disconnects aborts its request
 (its KV blocks are freed at once); shutdown aborts what is left and says so to each stream.
 """
-from .app import build_app
-from .async_engine import AsyncEngine, Delta, RequestStream
-
 __all__ = ["AsyncEngine", "Delta", "RequestStream", "build_app"]
+_WHERE = {"build_app": "app", "AsyncEngine": "async_engine", "Delta": "async_engine",
+          "RequestStream": "async_engine"}
+
+
+def __getattr__(name: str):
+    """Import on first use, so that the router (serve/router.py) starts without torch."""
+    if name in _WHERE:
+        import importlib
+        return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    raise AttributeError(f"module 'workbench.serve' has no attribute {name!r}")

@@ -1,0 +1,89 @@
+"""compile=True: the forward under torch.compile with attention as an opaque custom operator.
+
+One compilation must serve every step shape (prefill chunks, mixed batches, decode at any batch
+size) and give transformers' greedy tokens; compiling must not leak into other engines."""
+import pytest
+import torch
+
+from workbench import LLM, SamplingParams
+from workbench.models.compile import attention_context
+
+from conftest import hf_greedy, hf_model
+from test_paged_equality import NEW, make_prompts
+
+
+@pytest.fixture(scope="module")
+def compiled_tiny(tiny_folder):
+    return LLM(model=str(tiny_folder), dtype="float32", device="cpu", verbose=False,
+               max_model_len=128, compile=True, max_num_batched_tokens=16, block_size=4)
+
+
+def test_compiled_engine_matches_transformers_through_chunks_and_batches(tiny_folder,
+                                                                          compiled_tiny):
+    prompts = make_prompts(seed=3)
+    hf = hf_model(tiny_folder)
+    expected = [hf_greedy(hf, p, NEW) for p in prompts]
+    outputs = compiled_tiny.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW))
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    trace = compiled_tiny.trace
+    # The steps really had different shapes: chunked prefills of 16 tokens, mixed steps, and
+    # pure decode steps at several batch sizes.
+    assert max(r.num_prefill_tokens for r in trace) == 16
+    assert any(r.num_prefill_tokens and r.num_decode_tokens for r in trace)
+    assert len({r.num_seqs for r in trace if r.num_prefill_tokens == 0}) >= 2
+
+
+def test_one_compilation_serves_every_step_shape(compiled_tiny):
+    """dynamic=True: the token count is symbolic, so new batch sizes do not recompile."""
+    from torch._dynamo.utils import counters
+    compiled_tiny.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2))  # warm
+    before = counters["stats"]["unique_graphs"]
+    prompts = [[11 + i] * (3 + 5 * i) for i in range(5)]
+    compiled_tiny.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
+    assert counters["stats"]["unique_graphs"] == before
+
+
+def test_compiled_and_eager_logits_agree_on_the_real_model(smollm2_llm):
+    """SmolLM2 in fp32, compiled: the next-token logits equal the eager engine's to rounding."""
+    from conftest import engine_next_token_logits
+    compiled = LLM(model="smollm2-135m", dtype="float32", device="cpu", verbose=False,
+                   max_model_len=256, compile=True)
+    prompt = smollm2_llm.get_tokenizer().encode("The capital of France is")
+    eager_logits = engine_next_token_logits(smollm2_llm, prompt)
+    compiled_logits = engine_next_token_logits(compiled, prompt)
+    assert compiled_logits.argmax() == eager_logits.argmax()
+    torch.testing.assert_close(compiled_logits, eager_logits, atol=2e-3, rtol=1e-4)
+    params = SamplingParams(temperature=0, max_tokens=24)
+    assert (compiled.generate([prompt], params)[0].outputs[0].token_ids
+            == smollm2_llm.generate([prompt], params)[0].outputs[0].token_ids)
+
+
+def test_attention_operator_outside_a_step_is_a_clear_error():
+    q = torch.zeros(1, 2, 4)
+    with pytest.raises(RuntimeError, match="outside attention_context"):
+        torch.ops.workbench.attention(q, q[:, :1], q[:, :1], 0)
+    with attention_context([], None, None, 1.0):
+        pass   # the context restores the previous (empty) state on exit
+    with pytest.raises(RuntimeError, match="outside attention_context"):
+        torch.ops.workbench.attention(q, q[:, :1], q[:, :1], 0)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"compile": "yes"}, "compile='yes'"),
+    ({"compile": True, "tensor_parallel_size": 2}, "compile=True is invalid with 2 worker"),
+])
+def test_bad_compile_settings_name_the_field(tiny_folder, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        LLM(model=str(tiny_folder), dtype="float32", device="cpu", verbose=False, **kwargs)
+
+
+@pytest.mark.parametrize("method, config", [("int8", None), ("int4", {"group_size": 32})])
+def test_compiled_quantized_engines_give_the_eager_tokens(tiny_folder, method, config):
+    """The packed INT8/INT4 kernels inside the compiled graph (INT4 repacks before tracing)."""
+    kwargs = dict(model=str(tiny_folder), dtype="bfloat16", device="cpu", verbose=False,
+                  quantization=method, quantization_config=config)
+    prompts = make_prompts(seed=5, n=3)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    eager = LLM(**kwargs).generate(prompts, params)
+    compiled = LLM(compile=True, **kwargs).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in compiled] == [o.outputs[0].token_ids for o in eager]

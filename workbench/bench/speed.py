@@ -1,0 +1,219 @@
+"""The speed ladder: one row per optimization on the single-stream workload, and the targets.
+
+Rows (batch 1, the single-stream prompt, greedy, `new_tokens` tokens), run round-robin in one
+process so that every row sees the same machine noise, `repeats` rounds, medians reported:
+
+    transformers generate()       fp32 and bf16: what a user has without an inference engine
+    engine, eager                 fp32, bf16
+    engine, compiled              bf16, INT8 weights, INT4 weights (compile=True: models/compile.py)
+    llama.cpp                     Q4_1 GGUF through llama-cpp-python, if installed
+
+Each row reports end-to-end tok/s (prefill included), decode tok/s, and the bandwidth it achieves:
+(weight bytes + KV bytes of the context) x decode tok/s, against the measured copy bandwidth.
+
+Then the offline-mixed workload: the engine (compiled bf16, continuous batching) against
+transformers' generate() in static padded batches of 8 and llama.cpp serving the requests one
+after another. Last, the issue's targets, each with what was measured and whether it was met.
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from . import llamacpp
+from .anatomy import anatomy
+from .bandwidth import copy_bandwidth, decode_bytes_per_token
+from .offline_mixed import engine_run, hf_static_run, make_requests
+from .single_stream import PROMPT, engine_once, hf_once
+
+ENGINE_ROWS = {   # label -> LLM keyword arguments
+    "engine eager fp32": dict(dtype="float32"),
+    "engine eager bf16": dict(dtype="bfloat16"),
+    "engine compiled bf16": dict(dtype="bfloat16", compile=True),
+    "engine compiled INT8": dict(dtype="bfloat16", compile=True, quantization="int8"),
+    "engine compiled INT4": dict(dtype="bfloat16", compile=True, quantization="int4"),
+}
+HF_ROWS = {"transformers fp32": torch.float32, "transformers bf16": torch.bfloat16}
+LLAMA_ROW = "llama.cpp Q4_1"
+
+
+def _build(rows: dict, model: str, threads: int, llama_cpp: bool = True):
+    from transformers import AutoModelForCausalLM
+
+    from ..llm import LLM
+    runners, meta = {}, {}
+    for label, kwargs in rows.items():
+        llm = LLM(model=model, device="cpu", verbose=False, max_model_len=1024, **kwargs)
+        runners[label] = ("engine", llm)
+        eng = llm.engine
+        meta[label] = decode_bytes_per_token(
+            eng.model.weight_bytes(), eng.model_args.kv_bytes_per_token(eng.dtype), 0)
+        checkpoint, kv_per_token = eng.checkpoint, eng.model_args.kv_bytes_per_token
+    for label, dtype in HF_ROWS.items():
+        hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype).eval()
+        runners[label] = ("hf", hf)
+        meta[label] = None
+    llama = llamacpp.load(threads) if llama_cpp else None
+    if llama is not None:
+        runners[LLAMA_ROW] = ("llama", llama)
+        meta[LLAMA_ROW] = None
+    return runners, meta, kv_per_token
+
+
+def _once(kind, runner, prompt_ids, new_tokens):
+    if kind == "engine":
+        return engine_once(runner, prompt_ids, new_tokens)
+    if kind == "hf":
+        return hf_once(runner, prompt_ids, new_tokens)
+    return llamacpp.generate(runner, prompt_ids, new_tokens)
+
+
+def ladder(model: str = "smollm2-135m", new_tokens: int = 128, repeats: int = 3,
+           rows: dict | None = None, llama_cpp: bool = True) -> dict:
+    threads = torch.get_num_threads()
+    runners, weight_bytes, kv_per_token = _build(rows or ENGINE_ROWS, model, threads, llama_cpp)
+    first = next(r for k, r in runners.values() if k == "engine")
+    prompt_ids = first.get_tokenizer().encode(PROMPT)
+    for kind, runner in runners.values():           # warm up: compile, allocate, pick kernels
+        _once(kind, runner, prompt_ids, 8)
+    runs = {label: [] for label in runners}
+    for _ in range(repeats):
+        for label, (kind, runner) in runners.items():
+            runs[label].append(_once(kind, runner, prompt_ids, new_tokens))
+    bandwidth = copy_bandwidth()
+    context = len(prompt_ids) + new_tokens // 2
+    out = {"threads": threads, "new_tokens": new_tokens, "repeats": repeats,
+           "prompt_tokens": len(prompt_ids), "copy_bandwidth_gbs": bandwidth, "rows": {}}
+    for label, rs in runs.items():
+        row = {"tok_s": statistics.median(r["tok_s"] for r in rs),
+               "decode_tok_s": statistics.median(r.get("decode_tok_s", float("nan")) for r in rs)
+               if "decode_tok_s" in rs[0] else None}
+        if weight_bytes[label] is not None:
+            kind, llm = runners[label]
+            per_token = decode_bytes_per_token(
+                llm.engine.model.weight_bytes(),
+                llm.engine.model_args.kv_bytes_per_token(llm.engine.dtype), context)
+            row["achieved_gbs"] = per_token * row["decode_tok_s"] / 1e9
+            row["fraction_of_copy_bandwidth"] = row["achieved_gbs"] / bandwidth
+        out["rows"][label] = row
+    # Ratios from the same rounds (round i of one row against round i of the other).
+    def ratio(a, b):
+        if a not in runs or b not in runs:
+            return None
+        return statistics.median(x["tok_s"] / y["tok_s"] for x, y in zip(runs[a], runs[b]))
+    out["int4_vs_llamacpp"] = ratio("engine compiled INT4", LLAMA_ROW)
+    out["compiled_vs_eager_bf16"] = ratio("engine compiled bf16", "engine eager bf16")
+    out["anatomy"] = {label: anatomy(runners[label][1], prompt_ids, 48)
+                      for label in ("engine eager bf16", "engine compiled bf16") if label in runs}
+    return out
+
+
+def offline(model: str = "smollm2-135m", num_requests: int = 64, compile: bool = True) -> dict:
+    """offline-mixed: the engine (bf16, continuous batching) against transformers in static
+    batches of 8 and llama.cpp one request after another, all on this process's threads."""
+    from transformers import AutoModelForCausalLM
+
+    from ..llm import LLM
+    from ..models.loader import resolve_checkpoint
+    requests = make_requests(num_requests)
+    llm = LLM(model=model, dtype="bfloat16", device="cpu", verbose=False, max_model_len=512,
+              max_num_seqs=64, max_num_batched_tokens=1024, compile=compile)
+    engine_run(llm, requests[:4])                            # warm-up (and compile)
+    out = {"num_requests": num_requests, "engine": engine_run(llm, requests)}
+    del llm
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(resolve_checkpoint(model)),
+        dtype=torch.bfloat16).eval()
+    out["transformers"] = hf_static_run(hf, requests)
+    del hf
+    llama = llamacpp.load(torch.get_num_threads())
+    out["llama.cpp"] = llamacpp.run_sequential(llama, requests) if llama is not None else None
+    return out
+
+
+TARGETS = [   # (name, how to read it from the results, the bar)
+    ("single-stream INT4 tok/s vs llama.cpp", lambda r: r["ladder"]["int4_vs_llamacpp"], 1.0),
+    ("single-stream bf16 decode, share of copy bandwidth",
+     lambda r: r["ladder"]["rows"]["engine compiled bf16"]["fraction_of_copy_bandwidth"], 0.70),
+    ("offline-mixed vs transformers static batches",
+     lambda r: r["offline"]["engine"]["tok_s"] / r["offline"]["transformers"]["tok_s"], 8.0),
+    ("offline-mixed vs llama.cpp one by one",
+     lambda r: (r["offline"]["engine"]["tok_s"] / r["offline"]["llama.cpp"]["tok_s"]
+                if r["offline"]["llama.cpp"] else None), 3.0),
+]
+
+
+def run(model: str = "smollm2-135m", new_tokens: int = 128, repeats: int = 3,
+        num_requests: int = 64, skip_offline: bool = False, **_) -> dict:
+    result = {"workload": "speed", "ladder": ladder(model, new_tokens, repeats)}
+    if not skip_offline:
+        result["offline"] = offline(model, num_requests)
+    result["targets"] = []
+    for name, read, bar in TARGETS:
+        try:
+            value = read(result)
+        except (KeyError, TypeError):
+            value = None
+        result["targets"].append({"target": name, "measured": value, "bar": bar,
+                                  "met": None if value is None else value >= bar})
+    return result
+
+
+def format_table(r: dict) -> str:
+    lad = r["ladder"]
+    lines = [f"speed ladder: single-stream ({lad['prompt_tokens']}-token prompt, "
+             f"{lad['new_tokens']} new tokens, greedy, batch 1), {lad['threads']} threads, "
+             f"{lad['repeats']} rounds round-robin; copy bandwidth "
+             f"{lad['copy_bandwidth_gbs']:.1f} GB/s (read + write)", "",
+             f"{'row':<24}{'tok/s':>8}{'decode tok/s':>14}{'GB/s':>7}{'of copy BW':>12}"]
+    for label, row in lad["rows"].items():
+        dec = row.get("decode_tok_s")
+        gbs = row.get("achieved_gbs")
+        lines.append(f"{label:<24}{row['tok_s']:>8.1f}"
+                     + (f"{dec:>14.1f}" if dec else f"{'-':>14}")
+                     + (f"{gbs:>7.1f}{row['fraction_of_copy_bandwidth']:>11.0%}" if gbs
+                        else f"{'-':>7}{'-':>12}"))
+    for label, a in lad.get("anatomy", {}).items():
+        parts = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in a["parts_s"].items())
+        lines.append(f"\nwhere a decode step goes, {label} ({a['step_s'] * 1e3:.1f} ms): {parts} ms")
+    if "offline" in r:
+        o = r["offline"]
+        lines += ["", f"offline-mixed ({o['num_requests']} requests): engine "
+                  f"{o['engine']['tok_s']:.1f} tok/s (mean batch {o['engine']['mean_batch']:.1f}), "
+                  f"transformers static batches of 8 {o['transformers']['tok_s']:.1f} tok/s, "
+                  "llama.cpp one by one "
+                  + (f"{o['llama.cpp']['tok_s']:.1f} tok/s" if o["llama.cpp"] else "skipped "
+                     "(pip install llama-cpp-python)")]
+    lines += ["", f"{'target':<52}{'measured':>10}{'bar':>8}  met"]
+    for t in r["targets"]:
+        m = "-" if t["measured"] is None else f"{t['measured']:.2f}"
+        met = "skipped" if t["met"] is None else ("yes" if t["met"] else "NO")
+        lines.append(f"{t['target']:<52}{m:>10}{t['bar']:>8.2f}  {met}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    import argparse
+    import datetime
+    import json
+    import os
+    import platform
+    ap = argparse.ArgumentParser(prog="python -m workbench.bench speed", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of the ladder (default 3)")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--num-requests", type=int, default=64, help="offline-mixed requests")
+    ap.add_argument("--skip-offline", action="store_true", help="only the single-stream ladder")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--json", help="also write the results to this JSON file")
+    args = ap.parse_args(argv)
+    result = run(args.model, args.new_tokens, args.repeats, args.num_requests, args.skip_offline)
+    result["date"] = datetime.datetime.now().isoformat(timespec="seconds")
+    result["machine"] = {"processor": platform.processor() or platform.machine(),
+                         "cores": os.cpu_count(), "torch": torch.__version__,
+                         "python": platform.python_version()}
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2, default=str)

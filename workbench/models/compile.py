@@ -1,0 +1,98 @@
+"""The model's forward under torch.compile, with attention left opaque (vLLM's design, in small).
+
+Why: at batch 1 on a CPU, a decode step of a 135M model launches about 1,500 small PyTorch
+operations (each RMSNorm alone is eight), and their dispatch costs more than the arithmetic.
+torch.compile (TorchInductor) traces the forward once and generates fused C++ (or Triton) kernels
+for every run of pointwise operations between the matmuls: residual add + RMSNorm becomes one
+kernel, rotary of q and k one, SiLU x up one.
+
+What cannot be traced well is attention over the paged cache: its shapes (context length, block
+tables, how sequences group) change every step, and it writes into the cache. So attention is a
+custom operator, `torch.ops.workbench.attention(q, k, v, layer)`, that the compiler sees as one
+opaque call returning a tensor of known shape. At run time it reads the step's metadata (cache,
+block tables, backend) from a context the runner sets around the call: vLLM's
+`unified_attention` + forward context, which is how vLLM compiles the rest of the model.
+
+The compiled graph then depends only on the number of tokens in the step, which is marked dynamic,
+so one compilation serves every batch size and prefill length. The pointwise arithmetic is the
+same as the eager reference (RMSNorm in fp32, cast where transformers casts), but fused kernels may
+sum in another order, so compiled outputs match eager to rounding, not always bit for bit.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from .ops import TorchOps
+
+
+@dataclass
+class _Step:
+    kv_caches: list
+    meta: object
+    backend: object
+    scale: float
+
+
+_step: _Step | None = None
+
+
+@contextlib.contextmanager
+def attention_context(kv_caches, meta, backend, scale: float):
+    """Make this step's cache, metadata and backend visible to torch.ops.workbench.attention."""
+    global _step
+    previous, _step = _step, _Step(kv_caches, meta, backend, scale)
+    try:
+        yield
+    finally:
+        _step = previous
+
+
+@torch.library.custom_op("workbench::attention", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """Write k, v into layer `layer`'s cache and attend q to it, through the step's backend.
+    (The cache write is a side effect on state the graph does not hold; the graph only needs
+    the output.)"""
+    if _step is None:
+        raise RuntimeError("torch.ops.workbench.attention called outside attention_context()")
+    k_cache, v_cache = _step.kv_caches[layer]
+    return _step.backend.forward(q, k, v, k_cache, v_cache, _step.meta, _step.scale)
+
+
+@attention.register_fake
+def _(q, k, v, layer):
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+class CompiledForward:
+    """A drop-in for `LlamaModel.__call__` in the runner: same arguments, same result."""
+
+    def __init__(self, model):
+        self.model = model
+        self.scale = model.layers[0].self_attn.scale
+        # INT4 layers repack their weights for aten's CPU kernel on first use; do it now, so the
+        # compiler traces a plain read of the packed weights rather than the repacking.
+        dtype = model.embed_tokens.weight.dtype
+        for m in model.modules():
+            if hasattr(m, "_aten_pack") and m.packed.device.type == "cpu" and m.out_features % 16 == 0:
+                m._aten_pack(dtype)
+        self._compiled = torch.compile(self._forward, dynamic=True, fullgraph=True)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        m, ops = self.model, TorchOps
+        x = m.embed_tokens(input_ids)
+        rope = ops.rope_inputs(m.rotary, positions, x.dtype)
+        residual = None
+        for i, layer in enumerate(m.layers):
+            q, k, v, residual = layer.pre_attention(x, residual, rope, ops)
+            attn = torch.ops.workbench.attention(q, k, v, i)
+            x, residual = layer.post_attention(attn, residual, ops)
+        return ops.rms_norm(x, m.norm.weight, m.norm.eps, residual)[0]
+
+    def __call__(self, input_ids, positions, kv_caches, meta, backend, num_layers=None):
+        if num_layers is not None:          # the layer-skip drafter's early exit: eager
+            return self.model(input_ids, positions, kv_caches, meta, backend, num_layers)
+        with attention_context(kv_caches, meta, backend, self.scale):
+            return self._compiled(input_ids, positions)
