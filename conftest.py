@@ -28,7 +28,7 @@ def _kernel_pid(item) -> int | None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
     yield                                   # the notebook's kernel starts in its parent's setup
-    name = item.parent.name
+    name = item.parent.nodeid          # notebooks/00_tour.ipynb: the labs share chapter file names
     if name not in _samplers and name.endswith(".ipynb"):
         pid = _kernel_pid(item)
         if pid:
@@ -36,7 +36,7 @@ def pytest_runtest_setup(item):
 
 
 def pytest_runtest_teardown(item, nextitem):
-    name = item.parent.name
+    name = item.parent.nodeid          # notebooks/00_tour.ipynb: the labs share chapter file names
     if name not in _samplers or (nextitem is not None and nextitem.parent is item.parent):
         return
     peak_mib = _samplers.pop(name).stop() / 2**20
@@ -51,5 +51,5 @@ def pytest_terminal_summary(terminalreporter):
     if _peaks:
         terminalreporter.write_sep("-", "peak memory per notebook (kernel + children, PSS)")
         for name, mib in _peaks.items():
-            terminalreporter.write_line(f"{name:40s} {mib:8,.0f} MiB"
+            terminalreporter.write_line(f"{name:48s} {mib:8,.0f} MiB"
                                         + ("  over 2 GB" if mib > 2048 else ""))
