@@ -42,23 +42,18 @@ def _build(rows: dict, model: str, threads: int, llama_cpp: bool = True):
     from transformers import AutoModelForCausalLM
 
     from ..llm import LLM
-    runners, meta = {}, {}
+    runners = {}
     for label, kwargs in rows.items():
         llm = LLM(model=model, device="cpu", verbose=False, max_model_len=1024, **kwargs)
         runners[label] = ("engine", llm)
-        eng = llm.engine
-        meta[label] = decode_bytes_per_token(
-            eng.model.weight_bytes(), eng.model_args.kv_bytes_per_token(eng.dtype), 0)
-        checkpoint, kv_per_token = eng.checkpoint, eng.model_args.kv_bytes_per_token
+    checkpoint = llm.engine.checkpoint
     for label, dtype in HF_ROWS.items():
         hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype).eval()
         runners[label] = ("hf", hf)
-        meta[label] = None
     llama = llamacpp.load(threads) if llama_cpp else None
     if llama is not None:
         runners[LLAMA_ROW] = ("llama", llama)
-        meta[LLAMA_ROW] = None
-    return runners, meta, kv_per_token
+    return runners
 
 
 def _once(kind, runner, prompt_ids, new_tokens):
@@ -72,7 +67,7 @@ def _once(kind, runner, prompt_ids, new_tokens):
 def ladder(model: str = "smollm2-135m", new_tokens: int = 128, repeats: int = 3,
            rows: dict | None = None, llama_cpp: bool = True) -> dict:
     threads = torch.get_num_threads()
-    runners, weight_bytes, kv_per_token = _build(rows or ENGINE_ROWS, model, threads, llama_cpp)
+    runners = _build(rows or ENGINE_ROWS, model, threads, llama_cpp)
     first = next(r for k, r in runners.values() if k == "engine")
     prompt_ids = first.get_tokenizer().encode(PROMPT)
     for kind, runner in runners.values():           # warm up: compile, allocate, pick kernels
@@ -89,8 +84,8 @@ def ladder(model: str = "smollm2-135m", new_tokens: int = 128, repeats: int = 3,
         row = {"tok_s": statistics.median(r["tok_s"] for r in rs),
                "decode_tok_s": statistics.median(r.get("decode_tok_s", float("nan")) for r in rs)
                if "decode_tok_s" in rs[0] else None}
-        if weight_bytes[label] is not None:
-            kind, llm = runners[label]
+        kind, llm = runners[label]
+        if kind == "engine":          # bytes read per token are known only for our own engine
             per_token = decode_bytes_per_token(
                 llm.engine.model.weight_bytes(),
                 llm.engine.model_args.kv_bytes_per_token(llm.engine.dtype), context)
