@@ -83,6 +83,8 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None       # CPU threads for torch; None leaves torch's choice
     compile: bool = False                # torch.compile the forward, attention opaque (models/compile.py)
+    cpu_gemv: bool | None = None         # hand-written AVX-512 BF16 batch-1 matmuls (kernels/cpu);
+                                         # None: on where they can run (CPU, bf16, one process)
     # The paged KV cache.
     block_size: int = 16                 # tokens per KV block
     num_kv_blocks: int | None = None     # size of the pool in blocks, or
@@ -138,6 +140,7 @@ class EngineConfig:
             raise ValueError(f"compile=True is invalid with {self.world_size} worker processes: "
                              "compilation is for a single-process engine (tensor_parallel_size, "
                              "pipeline_parallel_size and expert_parallel_size must be 1)")
+        self._check_cpu_gemv()
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r} is invalid: it must be an integer")
         _positive_int("block_size", self.block_size)
@@ -183,6 +186,27 @@ class EngineConfig:
                     raise ValueError(f"{name}={value!r} is invalid with parallel workers: the "
                                      "parallel engine runs unquantized models without "
                                      "speculation; set it to None or use one process")
+
+    def _check_cpu_gemv(self) -> None:
+        """Resolve cpu_gemv: None becomes whether the kernels can run; True must be able to."""
+        if self.cpu_gemv is not None and not isinstance(self.cpu_gemv, bool):
+            raise ValueError(f"cpu_gemv={self.cpu_gemv!r} is invalid: allowed are None (auto), "
+                             "True, False")
+        why_not = None
+        if self.torch_device.type != "cpu":
+            why_not = f"they are CPU kernels and device is {self.torch_device.type}"
+        elif self.torch_dtype != torch.bfloat16:
+            why_not = f"they take bf16 activations and dtype is {self.torch_dtype}"
+        elif self.world_size > 1:
+            why_not = "the parallel workers keep torch's kernels"
+        if why_not is None and self.cpu_gemv is not False:
+            from kernels.cpu import available
+            ok, reason = available()
+            why_not = None if ok else reason
+        if self.cpu_gemv is True and why_not is not None:
+            raise ValueError(f"cpu_gemv=True is invalid here: {why_not}; use None (auto) or False")
+        self.cpu_gemv_reason = why_not or ("switched off" if self.cpu_gemv is False else "")
+        self.use_cpu_gemv = self.cpu_gemv is not False and why_not is None
 
     @property
     def world_size(self) -> int:

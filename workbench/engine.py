@@ -106,6 +106,9 @@ class LLMEngine:
         if config.moe_config is not None:
             from .parallel.moe import moefy
             moefy(self.model, **config.moe_config)
+        if config.use_cpu_gemv:
+            from .models.cpu_gemv import use_cpu_gemv
+            use_cpu_gemv(self.model)
         self.cache = PagedKVCache(self.model_args, config.num_kv_blocks, config.block_size,
                                   self.dtype, self.device, config.num_cpu_blocks,
                                   kv_cache_dtype=config.kv_cache_dtype)

@@ -27,6 +27,7 @@ FAST_CPU_DTYPES = (torch.bfloat16, torch.float16)
 
 class QuantLinear(nn.Module):
     impl = "fast"
+    cpu_gemv = False      # models/cpu_gemv.py sets it: small batches run kernels/cpu's loops
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, impl={self.impl}"
@@ -40,6 +41,9 @@ class QuantLinear(nn.Module):
         if self.impl != "fast":
             return False
         return x.is_cuda or x.dtype in FAST_CPU_DTYPES
+
+    def _use_cpu_gemv(self, x: torch.Tensor) -> bool:
+        return self.cpu_gemv and self.impl == "fast" and not x.is_cuda and x.dtype == torch.bfloat16
 
 
 class Int8Linear(QuantLinear):
@@ -55,7 +59,9 @@ class Int8Linear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self._use_fast(x):
+        if self._use_cpu_gemv(x):
+            out = torch.ops.workbench_cpu.linear_int8(x2.contiguous(), self.qweight, self.scale)
+        elif self._use_fast(x):
             if x.is_cuda:
                 from kernels.quant_matmul import int8_weight_matmul
                 out = int8_weight_matmul(x2, self.qweight, self.scale)
@@ -101,7 +107,11 @@ class Int4Linear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = self._pad(x.reshape(-1, self.in_features))
-        if self._use_fast(x) and x.is_cuda:
+        if self._use_cpu_gemv(x):
+            packed, group, sz = self._aten_pack(x.dtype)
+            out = torch.ops.workbench_cpu.linear_int4(x2.contiguous(), self.packed, self.scale,
+                                                      self.minimum, group, packed, sz)
+        elif self._use_fast(x) and x.is_cuda:
             from kernels.quant_matmul import int4_weight_matmul
             out = int4_weight_matmul(x2, self.packed, self.scale, self.minimum, self.group_size)
         elif self._use_fast(x) and self.out_features % 16 == 0:   # aten packs rows by 16

@@ -1,0 +1,69 @@
+"""Hand-written CPU kernels (C++, AVX-512 BF16): the batch-1 decode matmuls (gemv.cpp).
+
+They are compiled on first use with torch's extension builder (about 30 s on 2 cores, then cached
+under torch's extension folder) and registered as torch operators:
+
+    torch.ops.workbench_cpu.linear_bf16(x, w)                          x (M, K) bf16, w (N, K) bf16
+    torch.ops.workbench_cpu.linear_int8(x, qweight, scale)             per-row int8
+    torch.ops.workbench_cpu.linear_int4(x, packed, scale, minimum, group_size, aten_packed, sz)
+
+M <= 8 runs the hand-written loops; larger M goes to torch's kernels. Each operator has a fake
+(shape-only) implementation, so torch.compile traces through it as one opaque call.
+
+`available()` says whether they can run here and, if not, why (no AVX-512 BF16, no compiler, a
+failed build); the engine then keeps torch's kernels and prints the reason.
+"""
+from __future__ import annotations
+
+import functools
+import shutil
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("gemv.cpp")
+MAX_ROWS = 8          # must match kMaxRows in gemv.cpp
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@functools.lru_cache(maxsize=None)
+def _build() -> str | None:
+    """Build and load the operators once per process; None on success, else the reason."""
+    missing = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} - cpu_flags()
+    if missing:
+        return f"this CPU lacks {', '.join(sorted(missing))}"
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        return "no C++ compiler (c++/g++) on PATH"
+    try:
+        from torch.utils.cpp_extension import load
+        # -fopenmp: at::parallel_for in a header only splits work when compiled with OpenMP;
+        # the library resolves to the libgomp torch already loaded (same soname).
+        load(name="workbench_cpu_gemv", sources=[str(SOURCE)], is_python_module=False,
+             extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:           # a compiler error is a reason to fall back, not to crash
+        return f"building {SOURCE.name} failed: {str(e).splitlines()[0][:200]}"
+    _register_fakes()
+    return None
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") when the kernels are loaded; (False, reason) otherwise. Builds on first call."""
+    reason = _build()
+    return reason is None, reason or ""
+
+
+def _register_fakes() -> None:
+    def rows_by_out(x, w, *rest):
+        return x.new_empty(x.shape[0], w.shape[0])
+    for name in ("linear_bf16", "linear_int8", "linear_int4"):
+        torch.library.register_fake(f"workbench_cpu::{name}")(rows_by_out)
