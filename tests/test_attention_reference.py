@@ -85,3 +85,34 @@ def test_length_groups_partition_the_batch_and_never_pad_more_than_one_group(len
     def cost(gs):
         return sum(max(lengths[i] for i in g) * len(g) + GROUP_OVERHEAD_TOKENS for g in gs)
     assert cost(groups) <= cost([list(range(len(lengths)))])
+
+
+def test_a_single_sequence_on_consecutive_blocks_is_read_in_place():
+    """One sequence whose blocks are consecutive in the pool (a single stream's usual case): the
+    backend reads keys and values as a view of the cache, and the result is the gathering path's."""
+    block, heads, kv_heads, dim, ctx = 4, 6, 2, 16, 10
+    g = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(64, kv_heads, dim, generator=g)
+    v_cache = torch.randn(64, kv_heads, dim, generator=g)
+    q, k, v = (torch.randn(1, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
+
+    def meta(blocks):
+        table = torch.tensor([blocks])
+        slots = (table[:, :, None] * block + torch.arange(block)).view(1, -1)[:, :ctx]
+        return AttentionMetadata(
+            query_start_loc=torch.tensor([0, 1]), seq_lens=torch.tensor([ctx]),
+            slot_mapping=slots[0, ctx - 1:], slot_table=slots, max_query_len=1, max_seq_len=ctx,
+            query_lens=[1], seq_lens_list=[ctx], block_tables=table, block_size=block)
+    backend = TorchAttention()
+    in_place, scattered = meta([5, 6, 7]), meta([9, 2, 7])
+    assert backend.plan(in_place)[0].first_slot == 20
+    assert backend.plan(scattered)[0].first_slot is None
+    out = backend.forward(q, k, v, k_cache, v_cache, in_place, dim ** -0.5)
+    for s in range(ctx):   # move the same context to the scattered slots, then attend again
+        src, dst = in_place.slot_table[0, s], scattered.slot_table[0, s]
+        k_cache[dst], v_cache[dst] = k_cache[src], v_cache[src]
+    again = backend.forward(q, k, v, k_cache, v_cache, scattered, dim ** -0.5)
+    torch.testing.assert_close(out, again)
+    expected = naive_attention(q, k_cache[scattered.slot_table[0]], v_cache[scattered.slot_table[0]],
+                               dim ** -0.5)
+    torch.testing.assert_close(out.view_as(expected), expected, atol=1e-5, rtol=1e-5)

@@ -46,6 +46,7 @@ class Group:
     rows: torch.Tensor | None       # the token rows these sequences own in the packed batch
     mask: torch.Tensor | None       # (n, 1, max_q, max_kv) bool, None if not needed
     is_causal: bool
+    first_slot: int | None = None   # one sequence whose blocks are consecutive: read in place
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -87,6 +88,8 @@ def gather(cache: torch.Tensor, g: Group) -> torch.Tensor:
     """(n, max_kv, KVH, D) copy of the group's keys or values. index_select copies whole rows and
     is several times faster than advanced indexing (`cache[slots]`); whole blocks faster still."""
     _, kv_heads, head_dim = cache.shape
+    if g.first_slot is not None:         # a view, no copy: a single stream's usual case
+        return cache[g.first_slot:g.first_slot + g.max_kv].unsqueeze(0)
     if g.block_table is not None:
         blocks = cache.view(-1, g.block_size, kv_heads, head_dim)
         out = blocks.index_select(0, g.block_table.flatten())
@@ -127,6 +130,11 @@ class TorchAttention:
                                       for q, kv in zip(q_lens, kv_lens)], device=dev)
                 mask = (torch.arange(max_kv, device=dev)[None, None, :] <= q_pos[:, :, None])
                 mask = mask[:, None]
+            first_slot = None
+            if len(idx) == 1 and meta.block_tables is not None:
+                used = meta.block_tables[idx[0], :-(-max_kv // meta.block_size)].tolist()
+                if used == list(range(used[0], used[0] + len(used))):
+                    first_slot = used[0] * meta.block_size
             groups.append(Group(
                 num_seqs=len(idx), max_q=max_q, max_kv=max_kv,
                 slot_table=meta.slot_table[idx, :max_kv],
@@ -134,7 +142,7 @@ class TorchAttention:
                 meta.block_tables[idx, :-(-max_kv // meta.block_size)],
                 block_size=meta.block_size, q_index=q_index, out_index=out_index,
                 rows=None if whole else torch.tensor(rows, device=dev),
-                mask=mask, is_causal=is_causal))
+                mask=mask, is_causal=is_causal, first_slot=first_slot))
         return groups
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
