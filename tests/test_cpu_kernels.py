@@ -2,7 +2,7 @@
 
 Each kernel sums in fp32 and rounds once to bf16, as torch's do; only the order of the fp32 sums
 differs. So every output must be within one bf16 step of the exact product (computed in fp64 from
-the same bf16/int8/int4 inputs), and almost every output must equal torch's own bf16 result.
+the same bf16/int8 inputs), and almost every output must equal torch's own bf16 result.
 Then the engine: the same greedy tokens with and without the kernels, eager and compiled.
 """
 import pytest
@@ -12,8 +12,7 @@ import torch.nn.functional as F
 from kernels.cpu import MAX_ROWS, available
 from workbench import LLM, SamplingParams
 from workbench.config import EngineConfig
-from workbench.quant.formats import quantize_int4, quantize_int8
-from workbench.quant.linear import Int4Linear
+from workbench.quant.formats import quantize_int8
 
 OK, WHY = available()
 needs_kernels = pytest.mark.skipif(not OK, reason=f"CPU kernels unavailable: {WHY}")
@@ -55,22 +54,6 @@ def test_int8_kernel_matches_the_exact_product(rows, n, k):
     out = torch.ops.workbench_cpu.linear_int8(x, q.qweight, scale)
     exact = (x.double() @ q.qweight.double().t()) * scale.double()
     assert_within_one_bf16_step(out, exact)
-
-
-@needs_kernels
-@pytest.mark.parametrize("rows", [1, 4, MAX_ROWS])
-@pytest.mark.parametrize("k,group", [(576, 64), (1536, 128), (100, 32)])
-def test_int4_kernel_matches_the_exact_product(rows, k, group):
-    g = torch.Generator().manual_seed(rows + k + group)
-    layer = Int4Linear(quantize_int4(torch.randn(48, k, generator=g) * 0.05, group), torch.bfloat16)
-    x = layer._pad(torch.randn(rows, k, generator=g).bfloat16())
-    packed, _, sz = layer._aten_pack(torch.bfloat16)
-    out = torch.ops.workbench_cpu.linear_int4(x, layer.packed, layer.scale, layer.minimum, group,
-                                              packed, sz)
-    # the exact product with the layer's own (bf16-stored) scale and minimum
-    codes = layer.as_weight().codes().double().view(48, -1, group)
-    w = (codes * layer.scale.double()[..., None] + layer.minimum.double()[..., None]).view(48, -1)
-    assert_within_one_bf16_step(out, x.double() @ w.t())
 
 
 @needs_kernels

@@ -5,7 +5,6 @@ under torch's extension folder) and registered as torch operators:
 
     torch.ops.workbench_cpu.linear_bf16(x, w)                          x (M, K) bf16, w (N, K) bf16
     torch.ops.workbench_cpu.linear_int8(x, qweight, scale)             per-row int8
-    torch.ops.workbench_cpu.linear_int4(x, packed, scale, minimum, group_size, aten_packed, sz)
 
 M <= 8 runs the hand-written loops; larger M goes to torch's kernels. Each operator has a fake
 (shape-only) implementation, so torch.compile traces through it as one opaque call.
@@ -65,5 +64,5 @@ def available() -> tuple[bool, str]:
 def _register_fakes() -> None:
     def rows_by_out(x, w, *rest):
         return x.new_empty(x.shape[0], w.shape[0])
-    for name in ("linear_bf16", "linear_int8", "linear_int4"):
+    for name in ("linear_bf16", "linear_int8"):
         torch.library.register_fake(f"workbench_cpu::{name}")(rows_by_out)

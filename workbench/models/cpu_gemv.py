@@ -3,8 +3,8 @@
 `use_cpu_gemv(model)` switches, in place and keeping every parameter where it is:
 - each bias-free bf16 `nn.Linear` (the projections, the LM head) to `GemvLinear`, whose forward
   calls torch.ops.workbench_cpu.linear_bf16;
-- each Int8Linear / Int4Linear to the int8 / int4 kernels (Int4 where the group size is a
-  multiple of 32 and aten's packed layout exists for the large-batch path).
+- each Int8Linear (bf16 scales) to the int8 kernel. Int4Linear keeps aten's packed kernel, which
+  is faster than a row-major loop (kernels/cpu/gemv.cpp says why).
 The operators run their own loops for up to 8 rows and torch's kernels above that, so prefill and
 large batches are unchanged. Nothing is copied: the weights are read in the layout they have.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..quant.linear import Int4Linear, Int8Linear
+from ..quant.linear import Int8Linear
 
 
 class GemvLinear(nn.Linear):
@@ -34,9 +34,6 @@ def use_cpu_gemv(model: nn.Module) -> int:
                 and m.weight.is_contiguous():
             m.__class__ = GemvLinear
         elif isinstance(m, Int8Linear) and m.scale.dtype == torch.bfloat16:
-            m.cpu_gemv = True
-        elif isinstance(m, Int4Linear) and m.scale.dtype == torch.bfloat16 \
-                and m.group_size % 32 == 0 and m.out_features % 16 == 0:
             m.cpu_gemv = True
         else:
             continue

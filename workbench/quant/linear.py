@@ -107,11 +107,7 @@ class Int4Linear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = self._pad(x.reshape(-1, self.in_features))
-        if self._use_cpu_gemv(x):
-            packed, group, sz = self._aten_pack(x.dtype)
-            out = torch.ops.workbench_cpu.linear_int4(x2.contiguous(), self.packed, self.scale,
-                                                      self.minimum, group, packed, sz)
-        elif self._use_fast(x) and x.is_cuda:
+        if self._use_fast(x) and x.is_cuda:
             from kernels.quant_matmul import int4_weight_matmul
             out = int4_weight_matmul(x2, self.packed, self.scale, self.minimum, self.group_size)
         elif self._use_fast(x) and self.out_features % 16 == 0:   # aten packs rows by 16
