@@ -23,7 +23,8 @@ import torch
 from ..sampling_params import SamplingParams
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int8pack_mm",
-              "aten::_weight_int4pack_mm_for_cpu", "aten::_int_mm", "mkldnn", "onednn")
+              "aten::_weight_int4pack_mm_for_cpu", "aten::_int_mm", "mkldnn", "onednn",
+              "workbench_cpu::linear")     # kernels/cpu: the batch-1 GEMV loops
 ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "aten::index_copy", "aten::index_select")
 PHASES = ("schedule_s", "prepare_s", "forward_s", "sample_s", "postprocess_s")
 
