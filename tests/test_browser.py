@@ -62,6 +62,7 @@ class Slider:
 # The chapters whose interact slider redraws a plotly figure, with the slider that is moved.
 SLIDERS = {
     "00_tour": Slider("show_request", "prompt"),
+    "01_anatomy_of_speed": Slider("show_row", "row"),
     "02_quantization": Slider("show_alpha", "alpha"),
     "03_paged_kv_cache": Slider("show_step", "step"),
     "04_flash_attention": Slider("show_softmax_step", "tile"),
