@@ -1,13 +1,13 @@
-"""Hand-written CPU kernels (C++, AVX-512 BF16): the batch-1 decode matmuls (gemv.cpp).
+"""A hand-written CPU kernel (C++, AVX-512 BF16): the batch-1 decode matmul in bf16 (gemv.cpp).
 
 They are compiled on first use with torch's extension builder (about 30 s on 2 cores, then cached
 under torch's extension folder) and registered as torch operators:
 
-    torch.ops.workbench_cpu.linear_bf16(x, w)                          x (M, K) bf16, w (N, K) bf16
-    torch.ops.workbench_cpu.linear_int8(x, qweight, scale)             per-row int8
+    torch.ops.workbench_cpu.linear_bf16(x, w)          x (M, K) bf16, w (N, K) bf16 -> (M, N)
 
-M <= 8 runs the hand-written loops; larger M goes to torch's kernels. Each operator has a fake
-(shape-only) implementation, so torch.compile traces through it as one opaque call.
+M <= 8 runs the hand-written loop; larger M goes to torch's kernel. The operator has a fake
+(shape-only) implementation, so torch.compile traces through it as one opaque call. (INT8 and
+INT4 loops were tried and measured no faster than aten's: gemv.cpp says why.)
 
 `available()` says whether they can run here and, if not, why (no AVX-512 BF16, no compiler, a
 failed build); the engine then keeps torch's kernels and prints the reason.
@@ -37,7 +37,7 @@ def cpu_flags() -> set[str]:
 
 @functools.lru_cache(maxsize=None)
 def _build() -> str | None:
-    """Build and load the operators once per process; None on success, else the reason."""
+    """Build and load the operator once per process; None on success, else the reason."""
     missing = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} - cpu_flags()
     if missing:
         return f"this CPU lacks {', '.join(sorted(missing))}"
@@ -62,7 +62,6 @@ def available() -> tuple[bool, str]:
 
 
 def _register_fakes() -> None:
-    def rows_by_out(x, w, *rest):
+    @torch.library.register_fake("workbench_cpu::linear_bf16")
+    def _(x, w):
         return x.new_empty(x.shape[0], w.shape[0])
-    for name in ("linear_bf16", "linear_int8"):
-        torch.library.register_fake(f"workbench_cpu::{name}")(rows_by_out)

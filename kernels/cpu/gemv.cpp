@@ -1,31 +1,30 @@
-// Small-batch matrix-vector products for x86 CPUs with AVX-512 BF16: the decode path at batch 1.
+// A small-batch matrix-vector product for x86 CPUs with AVX-512 BF16: the decode path at batch 1.
 //
 // Why hand-written: at batch 1 a decode step multiplies one activation row by every weight
 // matrix, so its speed is the speed at which the weights stream from memory. PyTorch's bf16
 // `F.linear` for one row goes through a GEMM path built for big batches and streams bf16 weights
 // at about half the rate its own fp32 GEMV reaches on the same machine (see the README's speed
-// ladder). These loops do what llama.cpp's CPU dot products do: one pass over each weight row,
-// widened in registers, multiply-added into fp32 accumulators, rows split across threads.
+// ladder). This loop does what llama.cpp's CPU dot products do: one pass over each weight row,
+// multiply-added into fp32 accumulators, rows split across threads.
 //
-// Two formats, one shape: y[m, n] = sum_k x[m, k] * W[n, k] for m < M (M small: 1..8).
-//   bf16: W (N, K) bf16; vdpbf16ps multiplies 32 bf16 pairs and adds them into 16 fp32 lanes.
-//   int8: W (N, K) int8 with one scale per row; codes widen to fp32, y = scale * (x . codes).
-// Every kernel accumulates in fp32 and rounds the output to bf16 once, as torch's kernels do;
-// only the order of the fp32 additions differs from torch's (tests bound the difference).
+// y[m, n] = sum_k x[m, k] * W[n, k] for m < M (M small: 1..8), x and W bf16. vdpbf16ps multiplies
+// 32 bf16 pairs and adds them into 16 fp32 lanes; four weight rows share each load of x. The sum
+// is rounded to bf16 once, as torch's kernels do; only the order of the fp32 additions differs
+// (tests bound the difference). Larger M goes to torch's at::linear: there the weights are reused
+// across rows and GEMM blocking wins.
 //
-// Larger M goes to torch's own kernels (at::linear, aten's packed int8 matmul): there the
-// weights are reused across rows and GEMM blocking wins.
-//
-// INT4 is not here on purpose: a row-major int4 loop (one output row at a time, a horizontal sum
-// per row and per-group scales) measured 1.9x slower than aten's _weight_int4pack_mm_for_cpu,
-// whose repacked layout puts 16+ output rows side by side in a vector so that x is broadcast
-// and no horizontal sums are needed. Beating it needs that layout, not a better loop.
+// Measured and left out (2-core Intel Xeon VM with AVX-512 BF16 and AMX):
+// - INT4: a row-major loop (one output row at a time, a horizontal sum per row, per-group scales)
+//   ran 1.9x slower than aten's _weight_int4pack_mm_for_cpu, whose repacked layout puts 16+
+//   output rows side by side in a vector so x is broadcast and no horizontal sums are needed.
+// - INT8 weight-only: widening int8 to fp32 (vpmovsxbd, vcvtdq2ps, vfmadd) is compute-bound at
+//   ~10.5 GB/s, the same as aten's _weight_int8pack_mm; llama.cpp's Q8 dot products go faster by
+//   quantizing the activations too, which is another numeric contract (SmoothQuant's W8A8).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include <vector>
 
 namespace {
 
@@ -62,33 +61,6 @@ TARGET void bf16_rows(const bf16* x, const bf16* w, bf16* y, int64_t M, int64_t 
   }
 }
 
-// ---------------------------------------------------------------------------------------- int8
-TARGET inline __m512 dot_i8(__m512 acc, const float* x, const int8_t* w, __mmask16 mask) {
-  __m128i codes = _mm_maskz_loadu_epi8(mask, w);
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)),
-                         _mm512_maskz_loadu_ps(mask, x), acc);
-}
-
-TARGET void int8_rows(const float* x, const int8_t* w, const bf16* scale, bf16* y, int64_t M,
-                      int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  const int64_t tail = K % 16, body = K - tail;
-  const __mmask16 full = 0xFFFF, last = tail ? (__mmask16)((1u << tail) - 1) : 0;
-  for (int64_t n = n0; n < n1; n += kRowBlock) {
-    const int64_t rows = std::min(kRowBlock, n1 - n);
-    for (int64_t m = 0; m < M; m++) {
-      const float* xm = x + m * K;
-      __m512 acc[kRowBlock] = {_mm512_setzero_ps(), _mm512_setzero_ps(),
-                               _mm512_setzero_ps(), _mm512_setzero_ps()};
-      for (int64_t k = 0; k < body; k += 16)
-        for (int64_t r = 0; r < rows; r++) acc[r] = dot_i8(acc[r], xm + k, w + (n + r) * K + k, full);
-      if (tail)
-        for (int64_t r = 0; r < rows; r++) acc[r] = dot_i8(acc[r], xm + body, w + (n + r) * K + body, last);
-      for (int64_t r = 0; r < rows; r++)
-        y[m * N + n + r] = bf16(_mm512_reduce_add_ps(acc[r]) * float(scale[n + r]));
-    }
-  }
-}
-
 void check_x(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "x must be a contiguous (M, ", K, ") bf16 tensor, got ", x.sizes(), " ", x.scalar_type());
@@ -115,27 +87,10 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
-at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
-  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
-  if (M > kMaxRows) return at::_weight_int8pack_mm(x, w, scale);
-  check_x(x, K);
-  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kChar, "w must be contiguous int8");
-  TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == at::kBFloat16 && scale.numel() == N,
-              "scale must be (N,) bf16");
-  auto xf = x.to(at::kFloat);
-  auto y = at::empty({M, N}, x.options());
-  auto xp = xf.data_ptr<float>(); auto wp = w.data_ptr<int8_t>();
-  auto sp = scale.data_ptr<bf16>(); auto yp = y.data_ptr<bf16>();
-  over_rows(N, kRowBlock, [&](int64_t n0, int64_t n1) { int8_rows(xp, wp, sp, yp, M, N, K, n0, n1); });
-  return y;
-}
-
 TORCH_LIBRARY(workbench_cpu, m) {
   m.def("linear_bf16(Tensor x, Tensor w) -> Tensor");
-  m.def("linear_int8(Tensor x, Tensor w, Tensor scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(workbench_cpu, CPU, m) {
   m.impl("linear_bf16", &linear_bf16);
-  m.impl("linear_int8", &linear_int8);
 }

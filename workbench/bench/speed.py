@@ -5,9 +5,8 @@ process so that every row sees the same machine noise, `repeats` rounds, medians
 
     transformers generate()       fp32 and bf16: what a user has without an inference engine
     engine, eager                 fp32, bf16 (torch's matmuls), bf16 + the AVX-512 GEMV kernels
-    engine, compiled              bf16, INT8 weights, INT4 weights (compile=True: models/compile.py),
-                                  with the GEMV kernels (kernels/cpu; INT4 layers keep aten's
-                                  kernel, its INT8 LM head runs the GEMV)
+    engine, compiled              bf16 + GEMV, INT8 weights, INT4 weights (compile=True:
+                                  models/compile.py; quantized layers run aten's kernels)
     llama.cpp                     Q4_1 GGUF through llama-cpp-python, if installed
 
 Each row reports end-to-end tok/s (prefill included), decode tok/s, and the bandwidth it achieves:
@@ -34,10 +33,8 @@ ENGINE_ROWS = {   # label -> LLM keyword arguments; each row adds one optimizati
     "engine eager bf16": dict(dtype="bfloat16", cpu_gemv=False),
     "engine eager bf16 + GEMV": dict(dtype="bfloat16", cpu_gemv=True),
     "engine compiled bf16 + GEMV": dict(dtype="bfloat16", compile=True, cpu_gemv=True),
-    "engine compiled INT8 + GEMV": dict(dtype="bfloat16", compile=True, quantization="int8",
-                                        cpu_gemv=True),
-    "engine compiled INT4 + GEMV": dict(dtype="bfloat16", compile=True, quantization="int4",
-                                        cpu_gemv=True),
+    "engine compiled INT8": dict(dtype="bfloat16", compile=True, quantization="int8"),
+    "engine compiled INT4": dict(dtype="bfloat16", compile=True, quantization="int4"),
 }
 HF_ROWS = {"transformers fp32": torch.float32, "transformers bf16": torch.bfloat16}
 LLAMA_ROW = "llama.cpp Q4_1"

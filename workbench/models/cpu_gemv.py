@@ -1,19 +1,14 @@
-"""Route a model's batch-1 matmuls on CPU through the hand-written kernels of kernels/cpu.
+"""Route a model's batch-1 bf16 matmuls on CPU through the hand-written kernel of kernels/cpu.
 
-`use_cpu_gemv(model)` switches, in place and keeping every parameter where it is:
-- each bias-free bf16 `nn.Linear` (the projections, the LM head) to `GemvLinear`, whose forward
-  calls torch.ops.workbench_cpu.linear_bf16;
-- each Int8Linear (bf16 scales) to the int8 kernel. Int4Linear keeps aten's packed kernel, which
-  is faster than a row-major loop (kernels/cpu/gemv.cpp says why).
-The operators run their own loops for up to 8 rows and torch's kernels above that, so prefill and
-large batches are unchanged. Nothing is copied: the weights are read in the layout they have.
+`use_cpu_gemv(model)` switches each bias-free bf16 `nn.Linear` (the projections, the LM head) to
+`GemvLinear`, in place: the same parameters, the same state dict, only the forward differs. The
+operator runs its own loop for up to 8 rows and torch's kernel above that, so prefill and large
+batches are unchanged. Quantized layers keep aten's kernels (kernels/cpu/gemv.cpp says why).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
-
-from ..quant.linear import Int8Linear
 
 
 class GemvLinear(nn.Linear):
@@ -33,9 +28,5 @@ def use_cpu_gemv(model: nn.Module) -> int:
         if type(m) is nn.Linear and m.bias is None and m.weight.dtype == torch.bfloat16 \
                 and m.weight.is_contiguous():
             m.__class__ = GemvLinear
-        elif isinstance(m, Int8Linear) and m.scale.dtype == torch.bfloat16:
-            m.cpu_gemv = True
-        else:
-            continue
-        switched += 1
+            switched += 1
     return switched

@@ -27,7 +27,6 @@ FAST_CPU_DTYPES = (torch.bfloat16, torch.float16)
 
 class QuantLinear(nn.Module):
     impl = "fast"
-    cpu_gemv = False      # models/cpu_gemv.py sets it: small batches run kernels/cpu's loops
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, impl={self.impl}"
@@ -41,9 +40,6 @@ class QuantLinear(nn.Module):
         if self.impl != "fast":
             return False
         return x.is_cuda or x.dtype in FAST_CPU_DTYPES
-
-    def _use_cpu_gemv(self, x: torch.Tensor) -> bool:
-        return self.cpu_gemv and self.impl == "fast" and not x.is_cuda and x.dtype == torch.bfloat16
 
 
 class Int8Linear(QuantLinear):
@@ -59,9 +55,7 @@ class Int8Linear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self._use_cpu_gemv(x):
-            out = torch.ops.workbench_cpu.linear_int8(x2.contiguous(), self.qweight, self.scale)
-        elif self._use_fast(x):
+        if self._use_fast(x):
             if x.is_cuda:
                 from kernels.quant_matmul import int8_weight_matmul
                 out = int8_weight_matmul(x2, self.qweight, self.scale)
