@@ -61,7 +61,7 @@ BF16_LOGIT_STEPS = 0.3
 
 def decode_step_logprobs(llm, prompt_ids):
     """Top-5 logprobs of one batch-1 decode step: the second generated token's. The first comes
-    from the prefill (len(prompt) > 8 rows: torch's kernels in both engines, so the same token)."""
+    from the prefill (len(prompt) > MAX_ROWS rows: torch's kernels in both engines, so the same token)."""
     out = llm.generate([prompt_ids], SamplingParams(temperature=0, max_tokens=2, logprobs=5))
     first, second = out[0].outputs[0].logprobs
     return {t: lp.logprob for t, lp in second.items()}

@@ -53,7 +53,7 @@ class LLM:
                    f"weights on {e.executor.layout.describe()}, {e.device.type}{how}")
         kv = f", kv_cache_dtype={e.config.kv_cache_dtype}" if e.config.kv_cache_dtype != "auto" else ""
         if e.device.type == "cpu" and e.executor is None:
-            kv += (", matmuls: AVX-512 GEMV (kernels/cpu) for batches up to 8"
+            kv += (", matmuls: AVX-512 GEMV (kernels/cpu) for 1-2 rows"
                    if e.config.use_cpu_gemv else f", matmuls: torch ({e.config.cpu_gemv_reason})")
         return (f"[workbench] {e.config.model}: {weights}, {dtype}{quant}{kv}, "
                 f"attention={e.backend.name}, "

@@ -2,7 +2,7 @@
 
 `use_cpu_gemv(model)` switches each bias-free bf16 `nn.Linear` (the projections, the LM head) to
 `GemvLinear`, in place: the same parameters, the same state dict, only the forward differs. The
-operator runs its own loop for up to 8 rows and torch's kernel above that, so prefill and large
+operator runs its own loop for 1 or 2 rows and torch's kernel above that, so prefill and larger
 batches are unchanged. Quantized layers keep aten's kernels (kernels/cpu/gemv.cpp says why).
 """
 from __future__ import annotations
