@@ -14,16 +14,7 @@ block tables, backend) from a context the runner sets around the call: vLLM's
 `unified_attention` + forward context, which is how vLLM compiles the rest of the model.
 
 The compiled graph then depends only on the number of tokens in the step, which is marked dynamic,
-so one compilation serves every batch size and prefill length (two, in fact: dynamo specializes a
-size of 1, so a one-token step gets its own graph).
-
-Guards: before running a compiled graph, dynamo checks that everything it traced is unchanged
-(every parameter's shape and stride, every module attribute it read): about 1 ms per step for this
-model on a small CPU, a tenth of an INT4 decode step. Once both graphs exist, the engine runs the
-remaining steps with `skip_guard_eval_unsafe`, which only evaluates the guards that choose between
-the two graphs. That is safe because nothing the graph read changes after the engine is built, the
-same assumption vLLM makes when it calls its compiled graphs directly. (Switching quantized layers
-with `set_impl` after generating would not be seen; build a new LLM instead.) The pointwise arithmetic is the
+so one compilation serves every batch size and prefill length. The pointwise arithmetic is the
 same as the eager reference (RMSNorm in fp32, cast where transformers casts), but fused kernels may
 sum in another order, so compiled outputs match eager to rounding, not always bit for bit.
 """
@@ -88,7 +79,6 @@ class CompiledForward:
             if hasattr(m, "_aten_pack") and m.packed.device.type == "cpu" and m.out_features % 16 == 0:
                 m._aten_pack(dtype)
         self._compiled = torch.compile(self._forward, dynamic=True, fullgraph=True)
-        self._seen = set()      # step shapes compiled so far: "one token", "several tokens"
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         m, ops = self.model, TorchOps
@@ -104,9 +94,5 @@ class CompiledForward:
     def __call__(self, input_ids, positions, kv_caches, meta, backend, num_layers=None):
         if num_layers is not None:          # the layer-skip drafter's early exit: eager
             return self.model(input_ids, positions, kv_caches, meta, backend, num_layers)
-        shape = "one token" if input_ids.shape[0] == 1 else "several tokens"
-        warm = len(self._seen) == 2
-        self._seen.add(shape)
-        with attention_context(kv_caches, meta, backend, self.scale), \
-                torch.compiler.set_stance(skip_guard_eval_unsafe=warm):
+        with attention_context(kv_caches, meta, backend, self.scale):
             return self._compiled(input_ids, positions)
