@@ -87,3 +87,17 @@ def test_compiled_quantized_engines_give_the_eager_tokens(tiny_folder, method, c
     eager = LLM(**kwargs).generate(prompts, params)
     compiled = LLM(compile=True, **kwargs).generate(prompts, params)
     assert [o.outputs[0].token_ids for o in compiled] == [o.outputs[0].token_ids for o in eager]
+
+
+def test_many_compiled_engines_in_one_process(tiny_folder):
+    """Each engine compiles its own copy of the forward's code: dynamo keeps at most 8 graphs per
+    code object, so engines sharing one would fail (fullgraph=True) once a process had built a
+    few of them, and every step would check the guards of every other engine's graphs."""
+    params = SamplingParams(temperature=0, max_tokens=3)
+    outputs = []
+    for _ in range(6):          # 6 engines x 2 graphs (one-token and several-token steps) > 8
+        llm = LLM(model=str(tiny_folder), dtype="float32", device="cpu", verbose=False,
+                  max_model_len=64, compile=True)
+        outputs.append(llm.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids)
+        del llm
+    assert all(o == outputs[0] for o in outputs)

@@ -105,16 +105,21 @@ def test_cpu_gemv_setting_is_validated():
         EngineConfig(cpu_gemv=True, device="cpu", dtype="float32")
     auto_fp32 = EngineConfig(device="cpu", dtype="float32")
     assert not auto_fp32.use_cpu_gemv and "dtype is torch.float32" in auto_fp32.cpu_gemv_reason
-    assert EngineConfig(device="cpu", dtype="bfloat16").use_cpu_gemv == OK
+    assert EngineConfig(device="cpu", dtype="bfloat16", cpu_gemv=None).use_cpu_gemv == OK
+    assert not EngineConfig(device="cpu", dtype="bfloat16").use_cpu_gemv      # off by default
 
 
 @needs_kernels
 def test_the_engine_says_which_matmuls_it_runs(tiny_folder):
     llm = LLM(model=str(tiny_folder), dtype="bfloat16", device="cpu", verbose=False,
-              max_model_len=64)
+              max_model_len=64, cpu_gemv=True)
     from workbench.models.cpu_gemv import GemvLinear
     assert all(isinstance(layer.mlp.down_proj, GemvLinear) for layer in llm.engine.model.layers)
     assert "matmuls: AVX-512 GEMV" in llm.describe()
     off = LLM(model=str(tiny_folder), dtype="bfloat16", device="cpu", verbose=False,
-              max_model_len=64, cpu_gemv=False)
-    assert "matmuls: torch (switched off)" in off.describe()
+              max_model_len=64)
+    assert not any(isinstance(layer.mlp.down_proj, GemvLinear) for layer in off.engine.model.layers)
+    assert "GEMV" not in off.describe()
+    fp32 = LLM(model=str(tiny_folder), dtype="float32", device="cpu", verbose=False,
+               max_model_len=64, cpu_gemv=None)
+    assert "matmuls: torch (no GEMV: they take bf16 activations" in fp32.describe()

@@ -83,8 +83,10 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None       # CPU threads for torch; None leaves torch's choice
     compile: bool = False                # torch.compile the forward, attention opaque (models/compile.py)
-    cpu_gemv: bool | None = None         # hand-written AVX-512 BF16 batch-1 matmuls (kernels/cpu);
-                                         # None: on where they can run (CPU, bf16, one process)
+    # Hand-written AVX-512 BF16 matmuls for 1-2 row steps (kernels/cpu). Off by default: they make a
+    # sequence's rounding depend on how many rows share its step (see the README); None: on where
+    # they can run (CPU, bf16, one process), True: insist.
+    cpu_gemv: bool | None = False
     # The paged KV cache.
     block_size: int = 16                 # tokens per KV block
     num_kv_blocks: int | None = None     # size of the pool in blocks, or

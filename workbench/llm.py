@@ -52,9 +52,10 @@ class LLM:
                    if e.executor is None else
                    f"weights on {e.executor.layout.describe()}, {e.device.type}{how}")
         kv = f", kv_cache_dtype={e.config.kv_cache_dtype}" if e.config.kv_cache_dtype != "auto" else ""
-        if e.device.type == "cpu" and e.executor is None:
-            kv += (", matmuls: AVX-512 GEMV (kernels/cpu) for 1-2 rows"
-                   if e.config.use_cpu_gemv else f", matmuls: torch ({e.config.cpu_gemv_reason})")
+        if e.config.use_cpu_gemv:
+            kv += ", matmuls: AVX-512 GEMV (kernels/cpu) for 1-2 rows"
+        elif e.config.cpu_gemv is None and e.device.type == "cpu":
+            kv += f", matmuls: torch (no GEMV: {e.config.cpu_gemv_reason})"
         return (f"[workbench] {e.config.model}: {weights}, {dtype}{quant}{kv}, "
                 f"attention={e.backend.name}, "
                 f"max_model_len={e.config.max_model_len}, max_num_seqs={e.config.max_num_seqs}, "

@@ -21,6 +21,7 @@ sum in another order, so compiled outputs match eager to rounding, not always bi
 from __future__ import annotations
 
 import contextlib
+import types
 from dataclasses import dataclass
 
 import torch
@@ -78,7 +79,15 @@ class CompiledForward:
         for m in model.modules():
             if hasattr(m, "_aten_pack") and m.packed.device.type == "cpu" and m.out_features % 16 == 0:
                 m._aten_pack(dtype)
-        self._compiled = torch.compile(self._forward, dynamic=True, fullgraph=True)
+        # Dynamo keeps its compiled graphs on the function's code object, and allows 8 per code
+        # object. All engines share `_forward`'s code, so a process that builds several compiled
+        # engines (the test suite, a chapter comparing rows) would pile their graphs onto one
+        # object and, past 8, fail (fullgraph=True). A private copy of the code per engine keeps
+        # each engine's graphs (and the guards checked before every step) to its own.
+        code = CompiledForward._forward.__code__.replace(co_name=f"_forward_{id(self):x}")
+        forward = types.FunctionType(code, CompiledForward._forward.__globals__, code.co_name)
+        self._compiled = torch.compile(types.MethodType(forward, self), dynamic=True,
+                                       fullgraph=True)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         m, ops = self.model, TorchOps
