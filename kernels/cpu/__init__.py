@@ -1,9 +1,13 @@
-"""A hand-written CPU kernel (C++, AVX-512 BF16): the batch-1 decode matmul in bf16 (gemv.cpp).
+"""Hand-written CPU kernels (C++, AVX-512): the batch-1 decode matmul in bf16 (gemv.cpp) and paged
+decode attention that reads K/V blocks in place (paged_attention.cpp).
 
 They are compiled on first use with torch's extension builder (about 30 s on 2 cores, then cached
 under torch's extension folder) and registered as torch operators:
 
     torch.ops.workbench_cpu.linear_bf16(x, w)          x (M, K) bf16, w (N, K) bf16 -> (M, N)
+    torch.ops.workbench_cpu.paged_decode(q, k_cache, v_cache, block_tables, seq_lens,
+                                         block_size, scale)
+        q (seqs, H, D) one decode query per sequence; caches (slots, KVH, D); bf16 or fp32
 
 M <= 2 runs the hand-written loop (measured: it loses to torch's GEMM from 3 rows on); larger M
 goes to torch's kernel. The operator has a fake
@@ -21,11 +25,12 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("gemv.cpp")
+SOURCES = [Path(__file__).with_name(n) for n in ("gemv.cpp", "paged_attention.cpp")]
 MAX_ROWS = 2          # must match kMaxRows in gemv.cpp
 
 
 def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none, e.g. macOS)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -48,10 +53,10 @@ def _build() -> str | None:
         from torch.utils.cpp_extension import load
         # -fopenmp: at::parallel_for in a header only splits work when compiled with OpenMP;
         # the library resolves to the libgomp torch already loaded (same soname).
-        load(name="workbench_cpu_gemv", sources=[str(SOURCE)], is_python_module=False,
+        load(name="workbench_cpu", sources=[str(p) for p in SOURCES], is_python_module=False,
              extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:           # a compiler error is a reason to fall back, not to crash
-        return f"building {SOURCE.name} failed: {str(e).splitlines()[0][:200]}"
+        return f"building kernels/cpu failed: {str(e).splitlines()[0][:200]}"
     _register_fakes()
     return None
 
@@ -66,3 +71,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("workbench_cpu::linear_bf16")
     def _(x, w):
         return x.new_empty(x.shape[0], w.shape[0])
+
+    @torch.library.register_fake("workbench_cpu::paged_decode")
+    def _(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale):
+        return torch.empty_like(q)

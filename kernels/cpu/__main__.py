@@ -2,4 +2,4 @@
 from . import available
 
 ok, reason = available()
-print("[kernels.cpu] AVX-512 GEMV kernels: " + ("built and loaded" if ok else f"not used ({reason})"))
+print("[kernels.cpu] AVX-512 kernels (GEMV, paged decode attention): " + ("built and loaded" if ok else f"not used ({reason})"))

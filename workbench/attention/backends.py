@@ -20,6 +20,9 @@ A backend also carries `ops`, the implementation of the per-token operations aro
 whole layer between plain PyTorch and the Triton kernels.
 
 - "torch": plain PyTorch (torch_backend.py), the specification; the default on CPU.
+- "cpu": the plain-PyTorch backend whose decode queries run kernels/cpu's paged decode kernel
+  (C++, AVX-512), reading K/V blocks in place; prefill keeps SDPA. Opt-in: its fp32 sums run in
+  another order than SDPA's, so a bf16 run can take another token at a near-tie than "torch" does.
 - "triton": the kernels/ package (triton_backend.py); the default on CUDA. On CPU it runs only
   under Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported): correct, very
   slow, and exactly how the tests check the kernels without a GPU.
@@ -32,7 +35,7 @@ import torch
 
 from .torch_backend import TorchAttention
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "cpu", "triton")
 
 
 def get_attention_backend(name: str, device: torch.device):
@@ -40,6 +43,15 @@ def get_attention_backend(name: str, device: torch.device):
         name = "triton" if device.type == "cuda" and _triton_available() else "torch"
     if name == "torch":
         return TorchAttention()
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend='cpu' is invalid on device {device.type!r}: its "
+                             "decode kernel is C++ for x86 CPUs; use 'auto'")
+        from kernels.cpu import available
+        ok, reason = available()
+        if not ok:
+            raise ValueError(f"attention_backend='cpu' is invalid here: {reason}; use 'torch'")
+        return TorchAttention(decode_kernel=True)
     if name == "triton":
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"attention_backend='triton' on device {device.type!r} needs Triton's "

@@ -13,8 +13,13 @@ PyTorch's SDPA wants dense (batch, heads, len, dim) tensors, so keys and values 
 the paged cache into a padded batch. Padding every sequence to the longest one wastes copies when
 lengths differ a lot (a 500-token and a 20-token sequence in one decode batch), so `plan` sorts the
 sequences by length once per step and cuts them into a few groups whose padded area is smallest;
-each layer then runs one gather and one SDPA call per group. The Triton paged kernels read blocks in
-place and need none of this.
+each layer then runs one gather and one SDPA call per group. Decoding sequences (one new query)
+are never grouped with prefilling ones: padded to a prefill chunk's length, each would cost as much
+as that chunk. The Triton paged kernels read blocks in place and need none of this.
+
+`TorchAttention(decode_kernel=True)` (attention_backend="cpu") sends every decoding sequence to
+the C++ paged decode kernel of kernels/cpu instead, which also reads blocks in place: one call per
+layer for the whole decode batch, no gather, no padding. Prefill still runs the SDPA path.
 """
 from __future__ import annotations
 
@@ -47,6 +52,8 @@ class Group:
     mask: torch.Tensor | None       # (n, 1, max_q, max_kv) bool, None if not needed
     is_causal: bool
     first_slot: int | None = None   # one sequence whose blocks are consecutive: read in place
+    kernel: bool = False            # decode queries for kernels/cpu's paged_decode (seq_lens set)
+    seq_lens: torch.Tensor | None = None
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -101,49 +108,78 @@ def gather(cache: torch.Tensor, g: Group) -> torch.Tensor:
 class TorchAttention:
     """Reference attention over a slot-addressed KV cache: gather, pad, one SDPA call per group."""
 
-    name = "torch"
     ops = TorchOps()
 
-    def plan(self, meta: AttentionMetadata) -> list[Group]:
+    def __init__(self, decode_kernel: bool = False):
+        self.decode_kernel = decode_kernel
+        self.name = "cpu" if decode_kernel else "torch"
+
+    def kernel_fits(self, q: torch.Tensor) -> bool:
+        """Whether the decode kernel takes these queries (it wants D % 16 == 0, bf16 or fp32)."""
+        return (self.decode_kernel and q.device.type == "cpu" and q.shape[-1] % 16 == 0
+                and q.dtype in (torch.bfloat16, torch.float32))
+
+    def plan(self, meta: AttentionMetadata, use_kernel: bool | None = None) -> list[Group]:
         """Everything that is the same for every layer, computed once per step."""
+        use_kernel = self.decode_kernel if use_kernel is None else use_kernel
         dev = meta.slot_table.device
         starts = meta.query_start_loc.tolist()
-        groups = []
-        for idx in split_by_length(meta.seq_lens_list):
-            q_lens = [meta.query_lens[i] for i in idx]
-            kv_lens = [meta.seq_lens_list[i] for i in idx]
-            max_q, max_kv = max(q_lens), max(kv_lens)
-            uniform_q = all(n == max_q for n in q_lens)
-            same_kv = all(n == max_kv for n in kv_lens)
-            whole = len(idx) == meta.num_seqs and idx == sorted(idx)
-            rows = [r for i in idx for r in range(starts[i], starts[i] + meta.query_lens[i])]
-            q_index = out_index = None
-            if not uniform_q:
-                q_index = torch.tensor([starts[i] + min(j, meta.query_lens[i] - 1)
-                                        for i in idx for j in range(max_q)], device=dev)
-                out_index = torch.tensor([g * max_q + j for g, i in enumerate(idx)
-                                          for j in range(meta.query_lens[i])], device=dev)
-            is_causal = uniform_q and same_kv and max_q == max_kv   # plain prefills from 0
-            mask = None
-            if not is_causal and not (uniform_q and same_kv and max_q == 1):
-                q_pos = torch.tensor([[kv - q + j for j in range(max_q)]
-                                      for q, kv in zip(q_lens, kv_lens)], device=dev)
-                mask = (torch.arange(max_kv, device=dev)[None, None, :] <= q_pos[:, :, None])
-                mask = mask[:, None]
-            first_slot = None
-            if len(idx) == 1 and meta.block_tables is not None:
-                used = meta.block_tables[idx[0], :-(-max_kv // meta.block_size)].tolist()
-                if used == list(range(used[0], used[0] + len(used))):
-                    first_slot = used[0] * meta.block_size
+        decoding = [i for i in range(meta.num_seqs) if meta.query_lens[i] == 1]
+        prefilling = [i for i in range(meta.num_seqs) if meta.query_lens[i] != 1]
+        groups, batches = [], []
+        if (use_kernel and decoding and meta.block_tables is not None
+                and meta.kv_cache_dtype == "auto"):
+            whole = len(decoding) == meta.num_seqs
             groups.append(Group(
-                num_seqs=len(idx), max_q=max_q, max_kv=max_kv,
-                slot_table=meta.slot_table[idx, :max_kv],
-                block_table=None if meta.block_tables is None else
-                meta.block_tables[idx, :-(-max_kv // meta.block_size)],
-                block_size=meta.block_size, q_index=q_index, out_index=out_index,
-                rows=None if whole else torch.tensor(rows, device=dev),
-                mask=mask, is_causal=is_causal, first_slot=first_slot))
+                num_seqs=len(decoding), max_q=1, max_kv=max(meta.seq_lens_list[i] for i in decoding),
+                slot_table=meta.slot_table[:0], block_table=meta.block_tables[decoding].contiguous(),
+                block_size=meta.block_size, q_index=None, out_index=None,
+                rows=None if whole else torch.tensor([starts[i] for i in decoding], device=dev),
+                mask=None, is_causal=False, kernel=True,
+                seq_lens=meta.seq_lens[decoding].contiguous()))
+        elif decoding:
+            batches.append(decoding)
+        if prefilling:
+            batches.append(prefilling)
+        for subset in batches:
+            for part in split_by_length([meta.seq_lens_list[i] for i in subset]):
+                groups.append(self._group(meta, [subset[j] for j in part], starts, dev))
         return groups
+
+    def _group(self, meta: AttentionMetadata, idx: list[int], starts: list[int], dev) -> Group:
+        q_lens = [meta.query_lens[i] for i in idx]
+        kv_lens = [meta.seq_lens_list[i] for i in idx]
+        max_q, max_kv = max(q_lens), max(kv_lens)
+        uniform_q = all(n == max_q for n in q_lens)
+        same_kv = all(n == max_kv for n in kv_lens)
+        whole = len(idx) == meta.num_seqs and idx == sorted(idx)
+        rows = [r for i in idx for r in range(starts[i], starts[i] + meta.query_lens[i])]
+        q_index = out_index = None
+        if not uniform_q:
+            q_index = torch.tensor([starts[i] + min(j, meta.query_lens[i] - 1)
+                                    for i in idx for j in range(max_q)], device=dev)
+            out_index = torch.tensor([g * max_q + j for g, i in enumerate(idx)
+                                      for j in range(meta.query_lens[i])], device=dev)
+        is_causal = uniform_q and same_kv and max_q == max_kv   # plain prefills from 0
+        mask = None
+        if not is_causal and not (uniform_q and same_kv and max_q == 1):
+            q_pos = torch.tensor([[kv - q + j for j in range(max_q)]
+                                  for q, kv in zip(q_lens, kv_lens)], device=dev)
+            mask = (torch.arange(max_kv, device=dev)[None, None, :] <= q_pos[:, :, None])
+            mask = mask[:, None]
+        first_slot = None
+        if len(idx) == 1 and meta.block_tables is not None:
+            used = meta.block_tables[idx[0], :-(-max_kv // meta.block_size)].tolist()
+            if used == list(range(used[0], used[0] + len(used))):
+                first_slot = used[0] * meta.block_size
+        return Group(
+            num_seqs=len(idx), max_q=max_q, max_kv=max_kv,
+            slot_table=meta.slot_table[idx, :max_kv],
+            block_table=None if meta.block_tables is None else
+            meta.block_tables[idx, :-(-max_kv // meta.block_size)],
+            block_size=meta.block_size, q_index=q_index, out_index=out_index,
+            rows=None if whole else torch.tensor(rows, device=dev),
+            mask=mask, is_causal=is_causal, first_slot=first_slot)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -151,7 +187,7 @@ class TorchAttention:
         """q: (T, H, D); k, v: (T, KVH, D); caches: (num_slots, KVH, D). Returns (T, H * D)."""
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.kv_cache_dtype)
         if meta.plan is None:
-            meta.plan = self.plan(meta)
+            meta.plan = self.plan(meta, self.kernel_fits(q))
         num_tokens, num_heads, head_dim = q.shape
         out = None
         for g in meta.plan:
@@ -168,6 +204,12 @@ class TorchAttention:
     def _attend(q, k_cache, v_cache, g: Group, scale: float,
                 kv_cache_dtype: str = "auto") -> torch.Tensor:
         _, num_heads, head_dim = q.shape
+        if g.kernel:
+            queries = q if g.rows is None else q.index_select(0, g.rows)
+            out = torch.ops.workbench_cpu.paged_decode(
+                queries.contiguous(), k_cache, v_cache, g.block_table, g.seq_lens,
+                g.block_size, scale)
+            return out.view(g.num_seqs, num_heads * head_dim)
         keys, values = gather(k_cache, g), gather(v_cache, g)
         if kv_cache_dtype != "auto":   # dequantize on read, in the query's dtype
             keys = dequantize_rows(keys, kv_cache_dtype, q.dtype)

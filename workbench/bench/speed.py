@@ -12,7 +12,8 @@ process so that every row sees the same machine noise, `repeats` rounds, medians
 Each row reports end-to-end tok/s (prefill included), decode tok/s, and the bandwidth it achieves:
 (weight bytes + KV bytes of the context) x decode tok/s, against the measured copy bandwidth.
 
-Then the offline-mixed workload: the engine (compiled bf16, continuous batching) against
+Then the offline-mixed workload: the engine (compiled bf16, continuous batching, decode attention
+in the C++ paged kernel of kernels/cpu where it builds: attention_backend="cpu") against
 transformers' generate() in static padded batches of 8 and llama.cpp serving the requests one
 after another. Last, the issue's targets, each with what was measured and whether it was met.
 """
@@ -121,17 +122,22 @@ def _fastest(rows: dict, kind: str) -> str | None:
 
 
 def offline(model: str = "smollm2-135m", num_requests: int = 64, compile: bool = True) -> dict:
-    """offline-mixed: the engine (bf16, continuous batching) against transformers in static
-    batches of 8 and llama.cpp one request after another, all on this process's threads."""
+    """offline-mixed: the engine (bf16, continuous batching, the CPU paged decode kernel where it
+    builds) against transformers in static batches of 8 and llama.cpp one request after another,
+    all on this process's threads."""
     from transformers import AutoModelForCausalLM
 
+    from kernels.cpu import available
     from ..llm import LLM
     from ..models.loader import resolve_checkpoint
     requests = make_requests(num_requests)
+    backend = "cpu" if available()[0] else "torch"
     llm = LLM(model=model, dtype="bfloat16", device="cpu", verbose=False, max_model_len=512,
-              max_num_seqs=64, max_num_batched_tokens=1024, compile=compile)
+              max_num_seqs=64, max_num_batched_tokens=1024, compile=compile,
+              attention_backend=backend)
     engine_run(llm, requests[:4])                            # warm-up (and compile)
     out = {"num_requests": num_requests, "engine": engine_run(llm, requests)}
+    out["engine"]["attention_backend"] = backend
     del llm
     hf = AutoModelForCausalLM.from_pretrained(
         str(resolve_checkpoint(model)),
@@ -192,7 +198,8 @@ def format_table(r: dict) -> str:
     if "offline" in r:
         o = r["offline"]
         lines += ["", f"offline-mixed ({o['num_requests']} requests): engine "
-                  f"{o['engine']['tok_s']:.1f} tok/s (mean batch {o['engine']['mean_batch']:.1f}), "
+                  f"{o['engine']['tok_s']:.1f} tok/s (mean batch {o['engine']['mean_batch']:.1f}, "
+                  f"attention_backend={o['engine'].get('attention_backend', 'torch')!r}), "
                   f"transformers static batches of 8 {o['transformers']['tok_s']:.1f} tok/s, "
                   "llama.cpp one by one "
                   + (f"{o['llama.cpp']['tok_s']:.1f} tok/s" if o["llama.cpp"] else "skipped "

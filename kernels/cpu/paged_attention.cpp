@@ -1,0 +1,282 @@
+// Paged decode attention for x86 CPUs with AVX-512: each new query reads its sequence's keys and
+// values where they lie in the block pool, with no gather into a padded batch.
+//
+// Why hand-written: the plain-PyTorch backend (workbench/attention/torch_backend.py) copies every
+// sequence's K/V out of the paged cache into a padded (n, max_len) batch and then calls SDPA, so in
+// a decode step of a large batch the cache is read twice and written once, per layer, and the
+// shorter sequences pay for the padding. Measured on the offline-mixed workload (bf16, 48 decoding
+// sequences of ~230 tokens, 2-core VM): gather + SDPA took ~50 ms of a 176 ms step. This kernel
+// reads each K/V row once, in place, as vLLM's CPU paged attention does.
+//
+// out[s, h] = softmax(scale * q[s, h] . K[s, kvh(h)]^T) V[s, kvh(h)] over the sequence's
+// seq_lens[s] cached positions (a decode query sees its whole context, itself included).
+// Position t of sequence s is slot block_tables[s, t / block_size] * block_size + t % block_size.
+//
+// Work is split across threads by (sequence, kv head): the G = H / KVH query heads that share a
+// kv head (grouped-query attention) load each key and value row once. Scores, softmax and the
+// weighted sum of values are in fp32; the result is rounded to the query's dtype once. Each
+// sequence is computed on its own, so its result does not depend on which others share its step
+// (the padded SDPA path gives the same property only up to the padding's rounding).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+TARGET inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+TARGET inline __m512 load16(const bf16* p) {   // bf16 is the top half of an fp32: shift it up
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+TARGET inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+TARGET inline void store16(bf16* p, __m512 v) {   // round to nearest even, as torch does
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// e^x for x <= 0 (scores minus their max): x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-7
+// Taylor polynomial (relative error < 1e-7 on that interval), times 2^n by scalef.
+TARGET inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);       // ln2, high bits
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);     // ln2, the rest
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Softmax of one row in place, left unnormalized (e^(x - max)); returns 1 / their sum, which is
+// applied once to the output instead of to every probability.
+TARGET inline float softmax_unnormalized(float* row, int64_t L) {
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  int64_t t = 0;
+  for (; t + 16 <= L; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + t));
+  float m = _mm512_reduce_max_ps(mx);
+  for (; t < L; ++t) m = std::max(m, row[t]);
+  __m512 sum = _mm512_setzero_ps();
+  const __m512 mv = _mm512_set1_ps(m);
+  for (t = 0; t + 16 <= L; t += 16) {
+    __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + t), mv));
+    _mm512_storeu_ps(row + t, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (t < L) {
+    const __mmask16 tail = (__mmask16)((1u << (L - t)) - 1);
+    __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + t), mv));
+    e = _mm512_maskz_mov_ps(tail, e);
+    _mm512_mask_storeu_ps(row + t, tail, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return 1.0f / _mm512_reduce_add_ps(sum);
+}
+
+// One (sequence, kv head): G query heads of D dims against L cached positions.
+template <typename T>
+TARGET void attend_one(const T* q, const T* k_cache, const T* v_cache, T* out,
+                       const int64_t* blocks, int64_t L, int64_t block_size, int64_t kv_stride,
+                       int64_t G, int64_t D, float scale, std::vector<float>& buf) {
+  const int64_t chunks = D / 16;
+  buf.resize(G * D + G * L + G * D + G);
+  float* qf = buf.data();            // (G, D) queries, pre-scaled
+  float* scores = qf + G * D;        // (G, L)
+  float* acc = scores + G * L;       // (G, D) weighted sum of values
+  float* inv = acc + G * D;          // (G,) 1 / sum of each head's exponentials
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < chunks; ++c)
+      _mm512_storeu_ps(qf + g * D + c * 16,
+                       _mm512_mul_ps(load16(q + g * D + c * 16), _mm512_set1_ps(scale)));
+
+  // Positions are walked block by block: the slot of position t is block start + offset, with no
+  // division per position.
+  for (int64_t t0 = 0; t0 < L; t0 += block_size) {   // scores: each key row loaded once for G heads
+    const T* kb = k_cache + blocks[t0 / block_size] * block_size * kv_stride;
+    const int64_t n = std::min(block_size, L - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* k = kb + j * kv_stride;
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 s = _mm512_setzero_ps();
+        for (int64_t c = 0; c < chunks; ++c)
+          s = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + c * 16), load16(k + c * 16), s);
+        scores[g * L + t0 + j] = _mm512_reduce_add_ps(s);
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    inv[g] = softmax_unnormalized(scores + g * L, L);
+    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc + g * D + c * 16, _mm512_setzero_ps());
+  }
+  for (int64_t t0 = 0; t0 < L; t0 += block_size) {   // weighted sum: each value row loaded once
+    const T* vb = v_cache + blocks[t0 / block_size] * block_size * kv_stride;
+    const int64_t n = std::min(block_size, L - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* v = vb + j * kv_stride;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __m512 vv = load16(v + c * 16);
+        for (int64_t g = 0; g < G; ++g) {
+          float* a = acc + g * D + c * 16;
+          _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(scores[g * L + t0 + j]), vv,
+                                              _mm512_loadu_ps(a)));
+        }
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < chunks; ++c)
+      store16(out + g * D + c * 16,
+              _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + c * 16), _mm512_set1_ps(inv[g])));
+}
+
+// The same computation with G and D known at compile time (the common shapes: G <= 4 query heads
+// per kv head, D = 64 or 128): queries and output accumulators live in registers, and the loops
+// over heads and chunks unroll. Measured at 48 sequences x ~230 positions, G=3, D=64, bf16, one
+// layer: 0.95 ms with the general loop below, 0.68 ms with this one (2-core VM).
+template <typename T, int kG, int kC>
+TARGET void attend_fixed(const T* q, const T* k_cache, const T* v_cache, T* out,
+                         const int64_t* blocks, int64_t L, int64_t block_size, int64_t kv_stride,
+                         float scale, std::vector<float>& buf) {
+  buf.resize(kG * L);
+  float* scores = buf.data();        // (G, L)
+  __m512 qr[kG][kC];
+  for (int g = 0; g < kG; ++g)
+    for (int c = 0; c < kC; ++c)
+      qr[g][c] = _mm512_mul_ps(load16(q + (g * kC + c) * 16), _mm512_set1_ps(scale));
+  for (int64_t t0 = 0; t0 < L; t0 += block_size) {
+    const T* kb = k_cache + blocks[t0 / block_size] * block_size * kv_stride;
+    const int64_t n = std::min(block_size, L - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 kr[kC];
+      for (int c = 0; c < kC; ++c) kr[c] = load16(kb + j * kv_stride + c * 16);
+      for (int g = 0; g < kG; ++g) {
+        __m512 s = _mm512_mul_ps(qr[g][0], kr[0]);
+        for (int c = 1; c < kC; ++c) s = _mm512_fmadd_ps(qr[g][c], kr[c], s);
+        scores[g * L + t0 + j] = _mm512_reduce_add_ps(s);
+      }
+    }
+  }
+  float inv[kG];
+  for (int g = 0; g < kG; ++g) inv[g] = softmax_unnormalized(scores + g * L, L);
+  __m512 acc[kG][kC];
+  for (int g = 0; g < kG; ++g)
+    for (int c = 0; c < kC; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t t0 = 0; t0 < L; t0 += block_size) {
+    const T* vb = v_cache + blocks[t0 / block_size] * block_size * kv_stride;
+    const int64_t n = std::min(block_size, L - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      for (int c = 0; c < kC; ++c) {
+        const __m512 vv = load16(vb + j * kv_stride + c * 16);
+        for (int g = 0; g < kG; ++g)
+          acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * L + t0 + j]), vv, acc[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < kG; ++g)
+    for (int c = 0; c < kC; ++c)
+      store16(out + (g * kC + c) * 16, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
+}
+
+template <typename T>
+void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
+                double scale, at::Tensor& out) {
+  const int64_t S = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
+  const int64_t G = H / KVH, max_blocks = block_tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  using Fixed = void (*)(const T*, const T*, const T*, T*, const int64_t*, int64_t, int64_t,
+                         int64_t, float, std::vector<float>&);
+  Fixed fixed = nullptr;
+#define WB_CASE(g, c) if (G == g && D == 16 * c) fixed = &attend_fixed<T, g, c>;
+  WB_CASE(1, 4) WB_CASE(2, 4) WB_CASE(3, 4) WB_CASE(4, 4)
+  WB_CASE(1, 8) WB_CASE(2, 8) WB_CASE(4, 8)
+#undef WB_CASE
+  at::parallel_for(0, S * KVH, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> buf;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t s = i / KVH, h = i % KVH;
+      if (fixed != nullptr)
+        fixed(qp + (s * H + h * G) * D, kp + h * D, vp + h * D, op + (s * H + h * G) * D,
+              bt + s * max_blocks, lens[s], block_size, KVH * D, static_cast<float>(scale), buf);
+      else
+        attend_one<T>(qp + (s * H + h * G) * D, kp + h * D, vp + h * D, op + (s * H + h * G) * D,
+                      bt + s * max_blocks, lens[s], block_size, KVH * D, G, D,
+                      static_cast<float>(scale), buf);
+    }
+  });
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                        int64_t block_size, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
+              "paged_decode: q must be (seqs, heads, dim) and caches (slots, kv_heads, dim)");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "paged_decode: q and the caches must share a dtype, got ", q.scalar_type(), ", ",
+              k_cache.scalar_type(), " and ", v_cache.scalar_type());
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat,
+              "paged_decode: dtype must be bfloat16 or float32, got ", q.scalar_type());
+  TORCH_CHECK(q.size(2) % 16 == 0 && q.size(2) == k_cache.size(2),
+              "paged_decode: head_dim must be a multiple of 16 and match the cache, got ",
+              q.size(2), " and ", k_cache.size(2));
+  TORCH_CHECK(k_cache.size(1) > 0 && q.size(1) % k_cache.size(1) == 0,
+              "paged_decode: heads (", q.size(1), ") must be a multiple of kv heads (",
+              k_cache.size(1), ")");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+              "paged_decode: block_tables and seq_lens must be int64");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) &&
+              seq_lens.numel() == q.size(0),
+              "paged_decode: block_tables (seqs, max_blocks) and seq_lens (seqs,) must have one "
+              "row per query");
+  TORCH_CHECK(block_size > 0, "paged_decode: block_size must be positive, got ", block_size);
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              block_tables.is_contiguous() && seq_lens.is_contiguous(),
+              "paged_decode: every tensor must be contiguous");
+  const int64_t max_len = block_tables.size(1) * block_size;
+  const int64_t slots = k_cache.size(0);
+  auto lens = seq_lens.accessor<int64_t, 1>();
+  auto bt = block_tables.accessor<int64_t, 2>();
+  for (int64_t s = 0; s < q.size(0); ++s) {   // bounds first: a bad index must not read memory
+    TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_len, "paged_decode: seq_lens[", s, "]=", lens[s],
+                " must be in [1, ", max_len, "] (block_tables' width x block_size)");
+    for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(bt[s][b] >= 0 && (bt[s][b] + 1) * block_size <= slots,
+                  "paged_decode: block_tables[", s, ", ", b, "]=", bt[s][b],
+                  " is outside the cache of ", slots / block_size, " blocks");
+  }
+  at::Tensor out = at::empty_like(q);
+  if (q.scalar_type() == at::kBFloat16)
+    decode_all<bf16>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out);
+  else
+    decode_all<float>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(workbench_cpu, m) {
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, int block_size, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(workbench_cpu, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+}
