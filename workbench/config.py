@@ -14,7 +14,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float3
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_CACHE_LAYOUTS = ("paged", "contiguous")
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
@@ -25,11 +25,8 @@ DEFAULT_MAX_MODEL_LEN = 1024
 
 def cpu_has_native_bf16() -> bool:
     """True when the CPU multiplies bf16 natively (AVX-512 BF16 or AMX), where bf16 is the fast path."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
+    from kernels.cpu import cpu_flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def resolve_device(device: str) -> torch.device:
