@@ -54,6 +54,9 @@ def test_anatomy_splits_a_decode_step_into_measured_parts(tiny_llm):
     assert parts["matmul"] > 0 and parts["attention"] > 0 and parts["other ops"] > 0
     assert all(v >= 0 for v in parts.values())
     assert a["tok_s"] == 1 / a["step_s"]
+    # Self times of disjoint operators inside the profiled forward add up to at most its wall time.
+    ops = parts["matmul"] + parts["attention"] + parts["other ops"]
+    assert 0 < ops <= 1.05 * a["profiled_forward_s"], (ops, a["profiled_forward_s"])
 
 
 def test_speed_ladder_rows_and_targets_on_a_tiny_model(tiny_folder):
