@@ -132,9 +132,10 @@ def test_backend_matches_the_plain_backend_on_mixed_batches(data, num_seqs, grou
     attention_backend="torch" (fp32), decode rows in one kernel call, and no padded group that
     mixes one-query sequences with longer ones."""
     ctx_lens = [data.draw(st.integers(1, 50)) for _ in range(num_seqs)]
-    q_lens = [data.draw(st.sampled_from([1, 1, c])) if c > 1 else 1 for c in ctx_lens]
-    q_lens = [data.draw(st.integers(1, c)) if n not in (1, c) else n
-              for n, c in zip(q_lens, ctx_lens)]
+    kinds = [data.draw(st.sampled_from(["decode", "decode", "prefill", "chunk"]))
+             for _ in range(num_seqs)]
+    q_lens = [1 if kind == "decode" or c == 1 else c if kind == "prefill"
+              else data.draw(st.integers(2, c)) for kind, c in zip(kinds, ctx_lens)]
     batch = paged_batch(q_lens, ctx_lens, 2, group, 16, 4, seed)
     q, k, v, k_cache, v_cache, meta = batch
     plain, kernel = TorchAttention(), TorchAttention(decode_kernel=True)
