@@ -57,6 +57,9 @@ def test_anatomy_splits_a_decode_step_into_measured_parts(tiny_llm):
     # Self times of disjoint operators inside the profiled forward add up to at most its wall time.
     ops = parts["matmul"] + parts["attention"] + parts["other ops"]
     assert 0 < ops <= 1.05 * a["profiled_forward_s"], (ops, a["profiled_forward_s"])
+    # Every layer dispatches at least its seven projections (q, k, v, o, gate, up, down).
+    layers = tiny_llm.engine.runner.model.args.num_hidden_layers
+    assert a["ops_per_step"] >= 7 * layers, (a["ops_per_step"], layers)
 
 
 def test_speed_ladder_rows_and_targets_on_a_tiny_model(tiny_folder):

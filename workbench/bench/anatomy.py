@@ -52,8 +52,9 @@ def forward_op_times(llm, prompt_ids, steps: int = 8) -> dict[str, float]:
     return _profiled_forward(llm, prompt_ids, steps)[0]
 
 
-def _profiled_forward(llm, prompt_ids, steps: int) -> tuple[dict[str, float], float]:
-    """The buckets, and the forward's own wall time per step in the same profiled run."""
+def _profiled_forward(llm, prompt_ids, steps: int) -> tuple[dict[str, float], float, float]:
+    """The buckets, the forward's own wall time per step in the same profiled run, and how many
+    operators the forward dispatched per step (nested calls included)."""
     runner = llm.engine.runner
     plain_execute = runner.execute
     decode_steps = 0
@@ -74,14 +75,15 @@ def _profiled_forward(llm, prompt_ids, steps: int) -> tuple[dict[str, float], fl
     finally:
         runner.execute = plain_execute
     buckets = {"matmul": 0.0, "attention": 0.0, "other ops": 0.0}
-    wall = 0.0
+    wall, calls = 0.0, 0
     for event in prof.events():
         if event.name == "workbench.forward":
             wall += event.cpu_time_total / 1e6
         elif _inside(event, "workbench.forward"):
             buckets[categorize(event.name)] += event.self_cpu_time_total / 1e6
+            calls += 1
     n = max(decode_steps, 1)
-    return {k: v / n for k, v in buckets.items()}, wall / n
+    return {k: v / n for k, v in buckets.items()}, wall / n, calls / n
 
 
 def _inside(event, label: str) -> bool:
@@ -98,12 +100,15 @@ def anatomy(llm, prompt_ids, new_tokens: int = 64, profiled_steps: int = 8) -> d
     records = _decode_records(llm, prompt_ids, new_tokens)[1:]    # the first decode warms up
     phases = {p: statistics.median(getattr(r, p) for r in records) for p in PHASES}
     step_s = statistics.median(r.total_s for r in records)
-    ops, profiled_forward = _profiled_forward(llm, prompt_ids, profiled_steps)
+    ops, profiled_forward, calls = _profiled_forward(llm, prompt_ids, profiled_steps)
     parts = {"schedule + prepare": phases["schedule_s"] + phases["prepare_s"], **ops,
              "overhead": max(phases["forward_s"] - sum(ops.values()), 0.0),
              "sample": phases["sample_s"], "postprocess": phases["postprocess_s"]}
     # profiled_forward_s: the forward's wall time under the profiler, in the run the operator
     # times come from. The operators' self times add up to at most that (they are disjoint);
     # the unprofiled forward_s is another run's, so on a noisy machine the two can differ.
+    # ops_per_step counts operator dispatches, the cause of the overhead: unlike a difference of
+    # two timings it does not move with the machine's load.
     return {"step_s": step_s, "tok_s": 1.0 / step_s, "parts_s": parts,
-            "forward_s": phases["forward_s"], "profiled_forward_s": profiled_forward}
+            "forward_s": phases["forward_s"], "profiled_forward_s": profiled_forward,
+            "ops_per_step": calls}
