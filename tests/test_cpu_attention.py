@@ -139,10 +139,12 @@ def test_backend_matches_the_plain_backend_on_mixed_batches(data, num_seqs, grou
     batch = paged_batch(q_lens, ctx_lens, 2, group, 16, 4, seed)
     q, k, v, k_cache, v_cache, meta = batch
     plain, kernel = TorchAttention(), TorchAttention(decode_kernel=True)
-    expected = plain.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.25)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    expected = plain.forward(q, k, v, k_expected, v_expected, meta, 0.25)
     meta.plan = None
     out = kernel.forward(q, k, v, k_cache, v_cache, meta, 0.25)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)  # same writes
     decoding = [i for i, n in enumerate(q_lens) if n == 1]
     kernel_groups = [grp for grp in meta.plan if grp.kernel]
     assert len(kernel_groups) == (1 if decoding else 0)
@@ -155,6 +157,29 @@ def test_backend_matches_the_plain_backend_on_mixed_batches(data, num_seqs, grou
             starts = meta.query_start_loc.tolist()
             members = {i for i in range(num_seqs) for r in rows if starts[i] <= r < starts[i + 1]}
             assert len({q_lens[i] == 1 for i in members}) <= 1, (q_lens, members)
+
+
+def test_a_decode_only_step_writes_and_attends_in_one_call():
+    """All sequences decoding: the backend's one paged_decode_write call stores each new key and
+    value at its slot and gives the plain backend's output; a bad slot is named, nothing read."""
+    q, k, v, k_cache, v_cache, meta = paged_batch([1, 1, 1], [5, 17, 1], 2, 3, 16, 4, seed=7)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    expected = TorchAttention().forward(q, k, v, k_expected, v_expected, meta, 0.25)
+    meta.plan = None
+    with torch.profiler.profile() as prof:
+        out = TorchAttention(decode_kernel=True).forward(q, k, v, k_cache, v_cache, meta, 0.25)
+    calls = [e.name for e in prof.events()
+             if e.name.startswith(("workbench_cpu::", "aten::index_copy"))]
+    assert calls == ["workbench_cpu::paged_decode_write"], calls
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+    assert torch.equal(k_cache[meta.slot_mapping], k) and torch.equal(v_cache[meta.slot_mapping], v)
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+    group = meta.plan[0]
+    bad = meta.slot_mapping.clone()
+    bad[2] = k_cache.shape[0]
+    with pytest.raises(RuntimeError, match=rf"slot_mapping\[2\]={k_cache.shape[0]} is outside"):
+        torch.ops.workbench_cpu.paged_decode_write(q, k, v, k_cache, v_cache, bad,
+                                                   group.block_table, group.seq_lens, 4, 0.25)
 
 
 def test_backend_is_chosen_by_name_and_validated():

@@ -15,7 +15,7 @@ from workbench.config import EngineConfig
 
 OK, WHY = available()
 needs_kernels = pytest.mark.skipif(not OK, reason=f"CPU kernels unavailable: {WHY}")
-SHAPES = [(960, 576), (577, 1536), (13, 40), (4, 33)]   # real layers, odd N, K tails
+SHAPES = [(960, 576), (577, 1536), (13, 40), (4, 33), (7, 130)]   # real layers, odd N, K tails
 
 
 def assert_within_one_bf16_step(out: torch.Tensor, exact: torch.Tensor) -> None:

@@ -8,6 +8,9 @@ under torch's extension folder) and registered as torch operators:
     torch.ops.workbench_cpu.paged_decode(q, k_cache, v_cache, block_tables, seq_lens,
                                          block_size, scale)
         q (seqs, H, D) one decode query per sequence; caches (slots, KVH, D); bf16 or fp32
+    torch.ops.workbench_cpu.paged_decode_write(q, k, v, k_cache, v_cache, slot_mapping,
+                                               block_tables, seq_lens, block_size, scale)
+        the same after writing k, v (seqs, KVH, D) into the caches at slot_mapping (seqs,)
 
 M <= 2 runs the hand-written loop (measured: it loses to torch's GEMM from 3 rows on); larger M
 goes to torch's kernel. The operator has a fake
@@ -74,4 +77,8 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("workbench_cpu::paged_decode")
     def _(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale):
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("workbench_cpu::paged_decode_write")
+    def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, block_size, scale):
         return torch.empty_like(q)

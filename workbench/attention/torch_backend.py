@@ -19,7 +19,8 @@ as that chunk. The Triton paged kernels read blocks in place and need none of th
 
 `TorchAttention(decode_kernel=True)` (attention_backend="cpu") sends every decoding sequence to
 the C++ paged decode kernel of kernels/cpu instead, which also reads blocks in place: one call per
-layer for the whole decode batch, no gather, no padding. Prefill still runs the SDPA path.
+layer for the whole decode batch, no gather, no padding; in a decode-only step the same call also
+writes the new keys and values. Prefill still runs the SDPA path.
 """
 from __future__ import annotations
 
@@ -185,10 +186,16 @@ class TorchAttention:
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         """q: (T, H, D); k, v: (T, KVH, D); caches: (num_slots, KVH, D). Returns (T, H * D)."""
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.kv_cache_dtype)
         if meta.plan is None:
             meta.plan = self.plan(meta, self.kernel_fits(q))
         num_tokens, num_heads, head_dim = q.shape
+        first = meta.plan[0]
+        if first.kernel and first.rows is None:     # every token decodes: write + attend, one call
+            out = torch.ops.workbench_cpu.paged_decode_write(
+                q.contiguous(), k.contiguous(), v.contiguous(), k_cache, v_cache,
+                meta.slot_mapping, first.block_table, first.seq_lens, first.block_size, scale)
+            return out.view(num_tokens, num_heads * head_dim)
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.kv_cache_dtype)
         out = None
         for g in meta.plan:
             result = self._attend(q, k_cache, v_cache, g, scale,

@@ -5,8 +5,9 @@ process so that every row sees the same machine noise, `repeats` rounds, medians
 
     transformers generate()       fp32 and bf16: what a user has without an inference engine
     engine, eager                 fp32, bf16 (torch's matmuls), bf16 + the AVX-512 GEMV kernels
-    engine, compiled              bf16 + GEMV, INT8 weights, INT4 weights (compile=True:
-                                  models/compile.py; quantized layers run aten's kernels)
+    engine, compiled              bf16 + GEMV, then + the C++ paged decode attention, INT8 weights,
+                                  INT4 weights (compile=True: models/compile.py; quantized layers
+                                  run aten's kernels; attention_backend="cpu" where it builds)
     llama.cpp                     Q4_1 GGUF through llama-cpp-python, if installed
 
 Each row reports end-to-end tok/s (prefill included), decode tok/s, and the bandwidth it achieves:
@@ -34,8 +35,14 @@ ENGINE_ROWS = {   # label -> LLM keyword arguments; each row adds one optimizati
     "engine eager bf16": dict(dtype="bfloat16", cpu_gemv=False),
     "engine eager bf16 + GEMV": dict(dtype="bfloat16", cpu_gemv=True),
     "engine compiled bf16 + GEMV": dict(dtype="bfloat16", compile=True, cpu_gemv=True),
-    "engine compiled INT8": dict(dtype="bfloat16", compile=True, quantization="int8"),
-    "engine compiled INT4": dict(dtype="bfloat16", compile=True, quantization="int4"),
+    "engine compiled bf16 + GEMV + paged attn": dict(dtype="bfloat16", compile=True,
+                                                     cpu_gemv=True, attention_backend="cpu"),
+    # The quantized rows keep the C++ paged attention where it builds ("auto" elsewhere): their
+    # matmuls are aten's INT8/INT4 kernels, which run everywhere.
+    "engine compiled INT8": dict(dtype="bfloat16", compile=True, quantization="int8",
+                                 attention_backend="cpu"),
+    "engine compiled INT4": dict(dtype="bfloat16", compile=True, quantization="int4",
+                                 attention_backend="cpu"),
 }
 HF_ROWS = {"transformers fp32": torch.float32, "transformers bf16": torch.bfloat16}
 LLAMA_ROW = "llama.cpp Q4_1"
@@ -53,6 +60,8 @@ def _build(rows: dict, model: str, threads: int, llama_cpp: bool = True):
         if kwargs.get("cpu_gemv") and not gemv:
             print(f"[speed] skipping row {label!r}: the CPU kernels cannot run here ({why_not})")
             continue
+        if kwargs.get("attention_backend") == "cpu" and not gemv:
+            kwargs = {**kwargs, "attention_backend": "auto"}
         llm = LLM(model=model, device="cpu", verbose=False, max_model_len=1024, **kwargs)
         runners[label] = ("engine", llm)
     checkpoint = llm.engine.checkpoint
@@ -82,24 +91,30 @@ def ladder(model: str = "smollm2-135m", new_tokens: int = 128, repeats: int = 3,
     for kind, runner in runners.values():           # warm up: compile, allocate, pick kernels
         _once(kind, runner, prompt_ids, 8)
     runs = {label: [] for label in runners}
-    for _ in range(repeats):
+    bandwidths = []     # the copy bandwidth is a row of every round too: a shared VM's memory
+    for _ in range(repeats):       # bandwidth moves (20 to 49 GB/s seen on one machine in a day)
+        bandwidths.append(copy_bandwidth())
         for label, (kind, runner) in runners.items():
             runs[label].append(_once(kind, runner, prompt_ids, new_tokens))
-    bandwidth = copy_bandwidth()
+    bandwidth = statistics.median(bandwidths)
     context = len(prompt_ids) + new_tokens // 2
     out = {"threads": threads, "new_tokens": new_tokens, "repeats": repeats,
-           "prompt_tokens": len(prompt_ids), "copy_bandwidth_gbs": bandwidth, "rows": {}}
+           "prompt_tokens": len(prompt_ids), "copy_bandwidth_gbs": bandwidth,
+           "copy_bandwidth_per_round_gbs": bandwidths, "rows": {}}
     for label, rs in runs.items():
         row = {"tok_s": statistics.median(r["tok_s"] for r in rs),
                "decode_tok_s": statistics.median(r.get("decode_tok_s", float("nan")) for r in rs)
                if "decode_tok_s" in rs[0] else None}
         kind, llm = runners[label]
         if kind == "engine":          # bytes read per token are known only for our own engine
+            row["attention_backend"] = llm.engine.runner.backend.name
             per_token = decode_bytes_per_token(
                 llm.engine.model.weight_bytes(),
                 llm.engine.model_args.kv_bytes_per_token(llm.engine.dtype), context)
             row["achieved_gbs"] = per_token * row["decode_tok_s"] / 1e9
-            row["fraction_of_copy_bandwidth"] = row["achieved_gbs"] / bandwidth
+            # each round's decode speed against the bandwidth measured in the same round
+            row["fraction_of_copy_bandwidth"] = statistics.median(
+                per_token * r["decode_tok_s"] / 1e9 / bw for r, bw in zip(rs, bandwidths))
         out["rows"][label] = row
     # Ratios from the same rounds (round i of one row against round i of the other).
     def ratio(a, b):
@@ -184,11 +199,11 @@ def format_table(r: dict) -> str:
              f"{lad['new_tokens']} new tokens, greedy, batch 1), {lad['threads']} threads, "
              f"{lad['repeats']} rounds round-robin; copy bandwidth "
              f"{lad['copy_bandwidth_gbs']:.1f} GB/s (read + write)", "",
-             f"{'row':<30}{'tok/s':>8}{'decode tok/s':>14}{'GB/s':>7}{'of copy BW':>12}"]
+             f"{'row':<42}{'tok/s':>8}{'decode tok/s':>14}{'GB/s':>7}{'of copy BW':>12}"]
     for label, row in lad["rows"].items():
         dec = row.get("decode_tok_s")
         gbs = row.get("achieved_gbs")
-        lines.append(f"{label:<30}{row['tok_s']:>8.1f}"
+        lines.append(f"{label:<42}{row['tok_s']:>8.1f}"
                      + (f"{dec:>14.1f}" if dec else f"{'-':>14}")
                      + (f"{gbs:>7.1f}{row['fraction_of_copy_bandwidth']:>11.0%}" if gbs
                         else f"{'-':>7}{'-':>12}"))

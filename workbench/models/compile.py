@@ -51,7 +51,13 @@ def attention_context(kv_caches, meta, backend, scale: float):
         _step = previous
 
 
-@torch.library.custom_op("workbench::attention", mutates_args=())
+# Defined with torch.library.Library rather than the @custom_op decorator: the decorator's Python
+# wrapper costs ~7 us more per call (measured 11.5 vs 4.4 us for an empty op), and this op runs
+# once per layer per step: 30 calls in a SmolLM2 decode step of ~10 ms.
+_lib = torch.library.Library("workbench", "DEF")
+_lib.define("attention(Tensor q, Tensor k, Tensor v, int layer) -> Tensor")
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
     """Write k, v into layer `layer`'s cache and attend q to it, through the step's backend.
     (The cache write is a side effect on state the graph does not hold; the graph only needs
@@ -62,7 +68,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> 
     return _step.backend.forward(q, k, v, k_cache, v_cache, _step.meta, _step.scale)
 
 
-@attention.register_fake
+_lib.impl("attention", attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("workbench::attention")
 def _(q, k, v, layer):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
@@ -86,8 +95,13 @@ class CompiledForward:
         # each engine's graphs (and the guards checked before every step) to its own.
         code = CompiledForward._forward.__code__.replace(co_name=f"_forward_{id(self):x}")
         forward = types.FunctionType(code, CompiledForward._forward.__globals__, code.co_name)
-        self._compiled = torch.compile(types.MethodType(forward, self), dynamic=True,
-                                       fullgraph=True)
+        # specialize_float: with dynamic=True Dynamo would also make every Python float it reads a
+        # symbolic input, here the 61 RMSNorm eps values. Each one then costs a check in a Python
+        # guard function before every step and a runtime argument of the fused kernels. They never
+        # change, so they are compiled in as constants: 1.21-1.25x decode tok/s at batch 1
+        # (measured in alternating rounds, compiled bf16, 2-core AMD EPYC VM).
+        compiled = torch.compile(types.MethodType(forward, self), dynamic=True, fullgraph=True)
+        self._compiled = torch._dynamo.config.patch(specialize_float=True)(compiled)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         m, ops = self.model, TorchOps
