@@ -46,6 +46,7 @@ def test_anatomy_splits_a_decode_step_into_measured_parts(tiny_llm):
     assert categorize("aten::mm") == categorize("aten::_weight_int4pack_mm_for_cpu") == "matmul"
     assert categorize("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
     assert categorize("aten::index_copy_") == "attention"
+    assert categorize("workbench_cpu::paged_decode_write") == "attention"
     assert categorize("aten::mul") == "other ops"
     a = anatomy(tiny_llm, [5, 6, 7, 8, 9], new_tokens=12, profiled_steps=4)
     parts = a["parts_s"]

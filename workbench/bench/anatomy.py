@@ -5,7 +5,8 @@ forward, sample and postprocess. This module splits the forward further by runni
 steps under torch.profiler and summing each operator's *self* time into four buckets:
 
 - matmul:     the linear layers and the LM head (mm, addmm, the packed INT8/INT4 kernels, ...);
-- attention:  writing K/V into the cache, gathering it back, and SDPA itself;
+- attention:  writing K/V into the cache, gathering it back, and SDPA itself (or the C++ paged
+              decode kernel, which does all three);
 - other ops:  everything else the forward runs (RMSNorm, rotary, SiLU, casts, copies, views...);
 - overhead:   the forward's wall time (measured without the profiler) minus all operator time:
               Python, module calls and PyTorch's dispatcher, the cost of launching many small ops.
@@ -25,7 +26,8 @@ from ..sampling_params import SamplingParams
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int8pack_mm",
               "aten::_weight_int4pack_mm_for_cpu", "aten::_int_mm", "mkldnn", "onednn",
               "workbench_cpu::linear")     # kernels/cpu: the batch-1 GEMV loops
-ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "aten::index_copy", "aten::index_select")
+ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "aten::index_copy", "aten::index_select",
+                 "workbench_cpu::paged_decode")   # kernels/cpu's paged attention (+ its cache write)
 PHASES = ("schedule_s", "prepare_s", "forward_s", "sample_s", "postprocess_s")
 
 

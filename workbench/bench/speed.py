@@ -115,6 +115,7 @@ def ladder(model: str = "smollm2-135m", new_tokens: int = 128, repeats: int = 3,
             # each round's decode speed against the bandwidth measured in the same round
             row["fraction_of_copy_bandwidth"] = statistics.median(
                 per_token * r["decode_tok_s"] / 1e9 / bw for r, bw in zip(rs, bandwidths))
+            row["decode_tok_s_per_round"] = [r["decode_tok_s"] for r in rs]
         out["rows"][label] = row
     # Ratios from the same rounds (round i of one row against round i of the other).
     def ratio(a, b):
