@@ -101,3 +101,31 @@ def test_many_compiled_engines_in_one_process(tiny_folder):
         outputs.append(llm.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids)
         del llm
     assert all(o == outputs[0] for o in outputs)
+
+
+def test_the_compiled_forward_checks_only_the_guards_that_choose_a_graph(tiny_folder, monkeypatch):
+    """Dynamo's guards on the model object are dropped (they cost up to 1.2 ms a step); the ones
+    on the inputs and shapes stay, so a prefill after decode steps still gets its own graph."""
+    from workbench.models import compile as compile_module
+    decisions, keep_guards = [], compile_module.keep_guards
+
+    def recording(entries):
+        keep = keep_guards(entries)
+        decisions.append({(e.guard_type, e.name) for e, k in zip(entries, keep) if k})
+        decisions[-1].add(("dropped", sum(not k for k in keep)))
+        return keep
+
+    monkeypatch.setattr(compile_module, "keep_guards", recording)
+    llm = LLM(model=str(tiny_folder), dtype="float32", device="cpu", verbose=False,
+              max_model_len=64, compile=True)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    first = llm.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids     # prefill, decode
+    again = llm.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids     # prefill after decode
+    assert first == again
+    assert len(decisions) == 2                      # the several-token graph and the 1-token one
+    for kept in decisions:
+        dropped = next(n for t, n in kept if t == "dropped")
+        names = {(t, n) for t, n in kept if t != "dropped"}
+        assert {("TENSOR_MATCH", "input_ids"), ("TENSOR_MATCH", "positions")} <= names
+        assert ("SHAPE_ENV", "") in names and ("GRAD_MODE", "") in names
+        assert len(names) <= 8 and dropped > 100    # the model's own guards are the bulk

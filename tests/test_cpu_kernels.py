@@ -56,6 +56,100 @@ def test_bad_inputs_are_named():
         torch.ops.workbench_cpu.linear_bf16(torch.randn(1, 64), w)          # fp32 x
 
 
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_int8_kernel_matches_the_exact_product(rows, n, k):
+    """Weight-only INT8, one scale per output row: fp32 sums rounded once to bf16, as aten's
+    _weight_int8pack_mm computes (which crashes on 2+ rows when K % 16 != 0, so K=33/40/130 are
+    checked against the exact product only)."""
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = (torch.rand(n, generator=g) * 0.01 + 1e-3).bfloat16()
+    out = torch.ops.workbench_cpu.linear_int8(x, w, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    # exact: the fp64 sum, times the scale; rounding the sum to fp32 and the product to bf16
+    # stays within one bf16 step of it
+    assert_within_one_bf16_step(out, (x.double() @ w.double().t()) * scale.double())
+    if k % 16 == 0:
+        aten = torch.ops.aten._weight_int8pack_mm(x, w, scale)
+        assert (out == aten).float().mean().item() > 0.95
+
+
+@needs_kernels
+def test_int8_bad_inputs_are_named():
+    w = torch.randint(-127, 128, (8, 64), dtype=torch.int8)
+    x = torch.randn(1, 64).bfloat16()
+    with pytest.raises(RuntimeError, match=r"scale must be a contiguous \(8,\) bf16"):
+        torch.ops.workbench_cpu.linear_int8(x, w, torch.ones(8))           # fp32 scale
+    with pytest.raises(RuntimeError, match=r"w must be contiguous int8"):
+        torch.ops.workbench_cpu.linear_int8(x, w.float(), torch.ones(8).bfloat16())
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("n,k,group", [(960, 576, 128), (576, 1536, 128), (48, 130, 128),
+                                       (64, 1024, 256)])
+def test_int4_kernel_gives_atens_product(rows, n, k, group):
+    """Group-wise INT4 (codes as bf16 128 + q, the offset taken out per group): within one bf16
+    step of the exact product of x and the layer's weight (q * scale + minimum, in fp64), no
+    further from it than aten's, and almost always aten's very result (3 rows: aten's kernel runs,
+    so exactly aten's)."""
+    from workbench.quant.formats import quantize_int4
+    from workbench.quant.linear import Int4Linear
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    layer = Int4Linear(quantize_int4(torch.randn(n, k, generator=g) * 0.05, group), torch.bfloat16)
+    x = layer._pad(torch.randn(rows, k, generator=g).bfloat16()).contiguous()
+    aten_packed, _, aten_scale_zero = layer._aten_pack(torch.bfloat16)
+    out = torch.ops.workbench_cpu.linear_int4(x, layer.packed, layer.scale, layer.minimum, group,
+                                              aten_packed, aten_scale_zero)
+    aten = torch.ops.aten._weight_int4pack_mm_for_cpu(x, aten_packed, group, aten_scale_zero)
+    codes = layer.as_weight().codes().double().view(n, -1, group)
+    w = (codes * layer.scale.double()[..., None] + layer.minimum.double()[..., None]).view(n, -1)
+    exact = x.double() @ w.t()
+    if rows == 3:
+        assert torch.equal(out, aten)
+    else:
+        assert_within_one_bf16_step(out, exact)
+        assert (out - exact).abs().max() <= (aten - exact).abs().max()
+        assert (out == aten).float().mean().item() > 0.95
+
+
+@needs_kernels
+def test_int4_bad_group_size_is_named():
+    from workbench.quant.formats import quantize_int4
+    from workbench.quant.linear import Int4Linear
+    layer = Int4Linear(quantize_int4(torch.randn(32, 128), 64), torch.bfloat16)
+    p, _, sz = layer._aten_pack(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="group_size must be a multiple of 128 dividing 128, got 64"):
+        torch.ops.workbench_cpu.linear_int4(torch.randn(1, 128).bfloat16(), layer.packed,
+                                            layer.scale, layer.minimum, 64, p, sz)
+
+
+@needs_kernels
+@pytest.mark.parametrize("method, group", [("int8", None), ("int4", 32), ("int4", 128)])
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_quantized_engines_give_the_same_tokens_with_the_kernels(tiny_folder, method, group,
+                                                                 compile):
+    """INT8 layers (all of an INT8 model, the LM head of an INT4 one) and INT4 layers of group
+    size 128 switch to the kernels and give aten's greedy tokens on the tiny model (group 32
+    keeps aten's INT4 kernel)."""
+    from workbench.models.cpu_gemv import Int4GemvLinear, Int8GemvLinear
+    kwargs = dict(model=str(tiny_folder), dtype="bfloat16", device="cpu", verbose=False,
+                  max_model_len=64, quantization=method, compile=compile,
+                  quantization_config={"group_size": group} if group else None)
+    on, off = LLM(cpu_gemv=True, **kwargs), LLM(cpu_gemv=False, **kwargs)
+    assert isinstance(on.engine.model.lm_head, Int8GemvLinear)
+    assert not isinstance(off.engine.model.lm_head, Int8GemvLinear)
+    int4_layers = isinstance(on.engine.model.layers[0].mlp.down_proj, Int4GemvLinear)
+    assert int4_layers == (group == 128)
+    prompts = [[5, 6, 7, 8, 9], [11, 12], [40, 41, 42]]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    assert ([o.outputs[0].token_ids for o in on.generate(prompts, params)]
+            == [o.outputs[0].token_ids for o in off.generate(prompts, params)])
+
+
 BF16_LOGIT_STEPS = 0.3
 
 

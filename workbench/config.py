@@ -80,7 +80,8 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None       # CPU threads for torch; None leaves torch's choice
     compile: bool = False                # torch.compile the forward, attention opaque (models/compile.py)
-    # Hand-written AVX-512 BF16 matmuls for 1-2 row steps (kernels/cpu). Off by default: they make a
+    # Hand-written AVX-512 BF16 matmuls for 1-2 row steps (kernels/cpu): bf16 layers, and INT8 / INT4
+    # (group size 128) quantized ones. Off by default: they make a
     # sequence's rounding depend on how many rows share its step (see the README); None: on where
     # they can run (CPU, bf16, one process), True: insist.
     cpu_gemv: bool | None = False

@@ -5,6 +5,7 @@ They are compiled on first use with torch's extension builder (about 30 s on 2 c
 under torch's extension folder) and registered as torch operators:
 
     torch.ops.workbench_cpu.linear_bf16(x, w)          x (M, K) bf16, w (N, K) bf16 -> (M, N)
+    torch.ops.workbench_cpu.linear_int8(x, w, scale)   w (N, K) int8, scale (N,) bf16: x @ w.T * scale
     torch.ops.workbench_cpu.paged_decode(q, k_cache, v_cache, block_tables, seq_lens,
                                          block_size, scale)
         q (seqs, H, D) one decode query per sequence; caches (slots, KVH, D); bf16 or fp32
@@ -13,9 +14,9 @@ under torch's extension folder) and registered as torch operators:
         the same after writing k, v (seqs, KVH, D) into the caches at slot_mapping (seqs,)
 
 M <= 2 runs the hand-written loop (measured: it loses to torch's GEMM from 3 rows on); larger M
-goes to torch's kernel. The operator has a fake
-(shape-only) implementation, so torch.compile traces through it as one opaque call. (INT8 and
-INT4 loops were tried and measured no faster than aten's: gemv.cpp says why.)
+goes to torch's kernel (aten's _weight_int8pack_mm for INT8). The operators have fake
+(shape-only) implementations, so torch.compile traces through them as opaque calls. (An INT4 loop
+was tried and measured slower than aten's: gemv.cpp says why.)
 
 `available()` says whether they can run here and, if not, why (no AVX-512 BF16, no compiler, a
 failed build); the engine then keeps torch's kernels and prints the reason.
@@ -74,6 +75,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("workbench_cpu::linear_bf16")
     def _(x, w):
         return x.new_empty(x.shape[0], w.shape[0])
+
+    @torch.library.register_fake("workbench_cpu::linear_int8")
+    def _(x, w, scale):
+        return x.new_empty(x.shape[0], w.shape[0])
+
+    @torch.library.register_fake("workbench_cpu::linear_int4")
+    def _(x, packed, scale, minimum, group_size, aten_packed, aten_scale_zero):
+        return x.new_empty(x.shape[0], packed.shape[0])
 
     @torch.library.register_fake("workbench_cpu::paged_decode")
     def _(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale):
