@@ -59,8 +59,10 @@ class Int8Linear(QuantLinear):
             if x.is_cuda:
                 from kernels.quant_matmul import int8_weight_matmul
                 out = int8_weight_matmul(x2, self.qweight, self.scale)
-            else:
+            elif self.in_features % 16 == 0:
                 out = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale.to(x.dtype))
+            else:   # aten's kernel crashes the process (SIGSEGV, torch 2.13) on 2+ rows here
+                out = F.linear(x2, self.dequantize(x.dtype))
         else:
             out = F.linear(x2, self.dequantize(x.dtype))
         return out.view(*shape[:-1], self.out_features)
