@@ -1,4 +1,4 @@
-"""Hand-written CPU kernels (C++, AVX-512): the batch-1 decode matmul in bf16 (gemv.cpp) and paged
+"""Hand-written CPU kernels (C++, AVX-512): the batch-1 decode matmuls (gemv.cpp) and paged
 decode attention that reads K/V blocks in place (paged_attention.cpp).
 
 They are compiled on first use with torch's extension builder (about 30 s on 2 cores, then cached
@@ -6,6 +6,9 @@ under torch's extension folder) and registered as torch operators:
 
     torch.ops.workbench_cpu.linear_bf16(x, w)          x (M, K) bf16, w (N, K) bf16 -> (M, N)
     torch.ops.workbench_cpu.linear_int8(x, w, scale)   w (N, K) int8, scale (N,) bf16: x @ w.T * scale
+    torch.ops.workbench_cpu.linear_int4(x, packed, scale, minimum, group_size, aten_packed,
+                                        aten_scale_zero)
+        Int4Linear's codes (N, K/2) and per-group scale/minimum; aten's layout for 3+ rows
     torch.ops.workbench_cpu.paged_decode(q, k_cache, v_cache, block_tables, seq_lens,
                                          block_size, scale)
         q (seqs, H, D) one decode query per sequence; caches (slots, KVH, D); bf16 or fp32
@@ -14,9 +17,9 @@ under torch's extension folder) and registered as torch operators:
         the same after writing k, v (seqs, KVH, D) into the caches at slot_mapping (seqs,)
 
 M <= 2 runs the hand-written loop (measured: it loses to torch's GEMM from 3 rows on); larger M
-goes to torch's kernel (aten's _weight_int8pack_mm for INT8). The operators have fake
-(shape-only) implementations, so torch.compile traces through them as opaque calls. (An INT4 loop
-was tried and measured slower than aten's: gemv.cpp says why.)
+goes to torch's kernel (aten's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu for INT8 /
+INT4). The operators have fake (shape-only) implementations, so torch.compile traces through them
+as opaque calls.
 
 `available()` says whether they can run here and, if not, why (no AVX-512 BF16, no compiler, a
 failed build); the engine then keeps torch's kernels and prints the reason.

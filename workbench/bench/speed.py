@@ -6,9 +6,9 @@ process so that every row sees the same machine noise, `repeats` rounds, medians
     transformers generate()       fp32 and bf16: what a user has without an inference engine
     engine, eager                 fp32, bf16 (torch's matmuls), bf16 + the AVX-512 GEMV kernels
     engine, compiled              bf16 + GEMV, then + the C++ paged decode attention, INT8 weights,
-                                  INT4 weights (compile=True: models/compile.py; INT8 layers run
-                                  the INT8 GEMV and INT4 layers aten's kernel; attention_backend=
-                                  "cpu" where it builds)
+                                  INT4 weights (compile=True: models/compile.py; quantized layers
+                                  run the INT8/INT4 loops of kernels/cpu and decode attention the
+                                  C++ paged kernel, where they build)
     llama.cpp                     Q4_1 GGUF through llama-cpp-python, if installed
 
 Each row reports end-to-end tok/s (prefill included), decode tok/s, and the bandwidth it achieves:
@@ -38,9 +38,8 @@ ENGINE_ROWS = {   # label -> LLM keyword arguments; each row adds one optimizati
     "engine compiled bf16 + GEMV": dict(dtype="bfloat16", compile=True, cpu_gemv=True),
     "engine compiled bf16 + GEMV + paged attn": dict(dtype="bfloat16", compile=True,
                                                      cpu_gemv=True, attention_backend="cpu"),
-    # The quantized rows keep the C++ paged attention and the INT8 GEMV (INT8 layers, and the
-    # INT8 LM head of INT4) where they build; elsewhere attention "auto" and aten's INT8 kernel.
-    # INT4 layers run aten's kernel everywhere.
+    # The quantized rows keep the C++ paged attention and the INT8/INT4 loops (cpu_gemv) where
+    # they build; elsewhere attention "auto" and aten's INT8/INT4 kernels.
     "engine compiled INT8": dict(dtype="bfloat16", compile=True, quantization="int8",
                                  attention_backend="cpu", cpu_gemv=True),
     "engine compiled INT4": dict(dtype="bfloat16", compile=True, quantization="int4",

@@ -30,12 +30,17 @@ class GemvLinear(nn.Linear):
         return out.view(*shape[:-1], self.out_features)
 
 
+def _runs_kernel(layer, x: torch.Tensor) -> bool:
+    """Whether a quantized layer's fast path takes x on the kernels (bf16 on CPU)."""
+    return layer._use_fast(x) and x.device.type == "cpu" and x.dtype == torch.bfloat16
+
+
 class Int8GemvLinear(Int8Linear):
     """An Int8Linear whose bf16 products on CPU run the kernel's INT8 loop (same formula as
     aten's: fp32 sums of x * w, times the row's scale, rounded once to bf16)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self._use_fast(x) and x.device.type == "cpu" and x.dtype == torch.bfloat16):
+        if not _runs_kernel(self, x):
             return super().forward(x)
         shape = x.shape
         out = torch.ops.workbench_cpu.linear_int8(x.reshape(-1, self.in_features).contiguous(),
@@ -48,7 +53,7 @@ class Int4GemvLinear(Int4Linear):
     kernel, on its own layout of the same codes, above that)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self._use_fast(x) and x.device.type == "cpu" and x.dtype == torch.bfloat16):
+        if not _runs_kernel(self, x):
             return super().forward(x)
         shape = x.shape
         x2 = self._pad(x.reshape(-1, self.in_features)).contiguous()
