@@ -85,6 +85,9 @@ class EngineConfig:
     # sequence's rounding depend on how many rows share its step (see the README); None: on where
     # they can run (CPU, bf16, one process), True: insist.
     cpu_gemv: bool | None = False
+    # A decode-only step as one C++ call, every layer inside (models/fused_decode.py): bf16 weights,
+    # the GEMV kernels (cpu_gemv) and attention_backend="cpu"; other steps run as before.
+    fused_decode: bool = False
     # The paged KV cache.
     block_size: int = 16                 # tokens per KV block
     num_kv_blocks: int | None = None     # size of the pool in blocks, or
@@ -141,6 +144,7 @@ class EngineConfig:
                              "compilation is for a single-process engine (tensor_parallel_size, "
                              "pipeline_parallel_size and expert_parallel_size must be 1)")
         self._check_cpu_gemv()
+        self._check_fused_decode()
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r} is invalid: it must be an integer")
         _positive_int("block_size", self.block_size)
@@ -207,6 +211,26 @@ class EngineConfig:
             raise ValueError(f"cpu_gemv=True is invalid here: {why_not}; use None (auto) or False")
         self.cpu_gemv_reason = why_not or ("switched off" if self.cpu_gemv is False else "")
         self.use_cpu_gemv = self.cpu_gemv is not False and why_not is None
+
+    def _check_fused_decode(self) -> None:
+        if not isinstance(self.fused_decode, bool):
+            raise ValueError(f"fused_decode={self.fused_decode!r} is invalid: allowed are True, False")
+        if not self.fused_decode:
+            return
+        why_not = None
+        if not self.use_cpu_gemv:
+            why_not = (f"it runs the GEMV kernels, and cpu_gemv={self.cpu_gemv!r} does not enable "
+                       f"them ({self.cpu_gemv_reason}); use cpu_gemv=None or True")
+        elif self.attention_backend != "cpu":
+            why_not = (f"it runs the C++ paged attention, and attention_backend="
+                       f"{self.attention_backend!r}; use attention_backend='cpu'")
+        elif self.quantization is not None or self.moe_config is not None:
+            why_not = "it takes plain bf16 layers: set quantization and moe_config to None"
+        elif self.kv_cache_dtype != "auto":
+            why_not = (f"it reads a cache in the model's dtype, and kv_cache_dtype="
+                       f"{self.kv_cache_dtype!r}; use 'auto'")
+        if why_not:
+            raise ValueError(f"fused_decode=True is invalid here: {why_not}")
 
     @property
     def world_size(self) -> int:

@@ -77,7 +77,8 @@ class LLMEngine:
         self._in_flight: list = []                   # (scheduler, batch, ops, step number, times)
         if self.model is not None:                  # a single-process engine runs its own model
             self.runner = ModelRunner(self.model, self.cache, self.blocks, self.backend,
-                                      self.device, compile=config.compile)
+                                      self.device, compile=config.compile,
+                                      fused_decode=config.fused_decode)
         self.sampler = Sampler(config.seed)
         self.drafter = None
         if config.spec_config is not None:

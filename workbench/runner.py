@@ -98,13 +98,17 @@ class ModelRunner:
     single-process engine owns one; each worker process of a parallel engine owns one per shard."""
 
     def __init__(self, model: LlamaModel, cache: PagedKVCache, blocks: BlockManager | None,
-                 backend, device: torch.device, compile: bool = False):
+                 backend, device: torch.device, compile: bool = False,
+                 fused_decode: bool = False):
         self.model, self.cache, self.blocks = model, cache, blocks
         self.backend, self.device = backend, device
         self.forward_fn = model          # or the compiled forward (compiles on its first call)
         if compile:
             from .models.compile import CompiledForward
             self.forward_fn = CompiledForward(model)
+        if fused_decode:                 # decode-only steps in one C++ call, the rest as above
+            from .models.fused_decode import FusedDecodeForward
+            self.forward_fn = FusedDecodeForward(model, self.forward_fn)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         rows = [(seq.scheduled_tokens(seq.num_computed_tokens, n), seq.num_computed_tokens)

@@ -32,6 +32,8 @@
 #include <immintrin.h>
 #include <vector>
 
+#include "ops.h"
+
 
 namespace {
 
@@ -185,17 +187,28 @@ void check_x(const at::Tensor& x, int64_t K) {
 
 }  // namespace
 
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
+void linear_bf16_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
-  if (M > kMaxRows) return at::linear(x, w);
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) == N && y.is_contiguous() &&
+              y.scalar_type() == x.scalar_type(), "y must be a contiguous (", M, ", ", N, ") tensor "
+              "of x's dtype, got ", y.sizes());
+  if (M > kMaxRows) {            // torch's GEMM: the kernel at::linear runs for a 2-D x, no bias
+    at::mm_out(y, x, w.t());
+    return;
+  }
   check_x(x, K);
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kBFloat16, "w must be contiguous bf16");
-  auto y = at::empty({M, N}, x.options());
   auto xp = x.data_ptr<bf16>(), wp = w.data_ptr<bf16>(), yp = y.data_ptr<bf16>();
   at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
     if (M == 1) bf16_rows<1>(xp, wp, yp, N, K, n0, n1);
     else bf16_rows<2>(xp, wp, yp, N, K, n0, n1);
   });
+}
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
+  if (x.size(0) > kMaxRows) return at::linear(x, w);
+  auto y = at::empty({x.size(0), w.size(0)}, x.options());
+  linear_bf16_into(x, w, y);
   return y;
 }
 

@@ -23,6 +23,8 @@
 #include <immintrin.h>
 #include <cstring>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -225,9 +227,12 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   });
 }
 
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                        int64_t block_size, double scale) {
+}  // namespace
+
+// Outside the anonymous namespace: decode_step.cpp calls the *_into forms directly (ops.h).
+void paged_decode_into(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                       int64_t block_size, double scale, at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
               "paged_decode: q must be (seqs, heads, dim) and caches (slots, kv_heads, dim)");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
@@ -263,21 +268,30 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                   "paged_decode: block_tables[", s, ", ", b, "]=", bt[s][b],
                   " is outside the cache of ", slots / block_size, " blocks");
   }
-  at::Tensor out = at::empty_like(q);
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() &&
+              out.is_contiguous(), "paged_decode: out must be a contiguous tensor like q");
   if (q.scalar_type() == at::kBFloat16)
     decode_all<bf16>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out);
   else
     decode_all<float>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out);
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                        int64_t block_size, double scale) {
+  at::Tensor out = at::empty_like(q);
+  paged_decode_into(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out);
   return out;
 }
 
 // The same, after writing this step's keys and values (one token per sequence) into the caches at
 // slot_mapping: a decode-only step then costs one operator call per layer instead of three (two
 // index_copy_ and the attention), which at batch 1 is a few percent of the step.
-at::Tensor paged_decode_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                              at::Tensor& k_cache, at::Tensor& v_cache,
-                              const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                              const at::Tensor& seq_lens, int64_t block_size, double scale) {
+void paged_decode_write_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             at::Tensor& k_cache, at::Tensor& v_cache,
+                             const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                             const at::Tensor& seq_lens, int64_t block_size, double scale,
+                             at::Tensor& out) {
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() && k.size(0) == q.size(0) &&
               k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(2),
               "paged_decode_write: k and v must be (seqs, kv_heads, dim) like the cache rows, got ",
@@ -301,10 +315,18 @@ at::Tensor paged_decode_write(const at::Tensor& q, const at::Tensor& k, const at
     std::memcpy(kc + sm[s] * bytes, static_cast<const char*>(k.data_ptr()) + s * bytes, bytes);
     std::memcpy(vc + sm[s] * bytes, static_cast<const char*>(v.data_ptr()) + s * bytes, bytes);
   }
-  return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale);
+  paged_decode_into(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out);
 }
 
-}  // namespace
+at::Tensor paged_decode_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              at::Tensor& k_cache, at::Tensor& v_cache,
+                              const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                              const at::Tensor& seq_lens, int64_t block_size, double scale) {
+  at::Tensor out = at::empty_like(q);
+  paged_decode_write_into(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+                          block_size, scale, out);
+  return out;
+}
 
 TORCH_LIBRARY_FRAGMENT(workbench_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "

@@ -9,6 +9,8 @@ process so that every row sees the same machine noise, `repeats` rounds, medians
                                   INT4 weights (compile=True: models/compile.py; quantized layers
                                   run the INT8/INT4 loops of kernels/cpu and decode attention the
                                   C++ paged kernel, where they build)
+    engine, fused step            bf16 + GEMV + paged attention with every decode step one C++
+                                  call (fused_decode=True: models/fused_decode.py), not compiled
     llama.cpp                     Q4_1 GGUF through llama-cpp-python, if installed
 
 Each row reports end-to-end tok/s (prefill included), decode tok/s, and the bandwidth it achieves:
@@ -38,6 +40,10 @@ ENGINE_ROWS = {   # label -> LLM keyword arguments; each row adds one optimizati
     "engine compiled bf16 + GEMV": dict(dtype="bfloat16", compile=True, cpu_gemv=True),
     "engine compiled bf16 + GEMV + paged attn": dict(dtype="bfloat16", compile=True,
                                                      cpu_gemv=True, attention_backend="cpu"),
+    # The whole decode step as one C++ call (fused_decode); prefill eager: no compile at all.
+    "engine fused step bf16 + GEMV + paged attn": dict(dtype="bfloat16", cpu_gemv=True,
+                                                       attention_backend="cpu",
+                                                       fused_decode=True),
     # The quantized rows keep the C++ paged attention and the INT8/INT4 loops (cpu_gemv) where
     # they build; elsewhere attention "auto" and aten's INT8/INT4 kernels.
     "engine compiled INT8": dict(dtype="bfloat16", compile=True, quantization="int8",

@@ -1,0 +1,16 @@
+// The operators of kernels/cpu that other files of it call directly (decode_step.cpp), as C++
+// functions writing into a given output: the same code the torch operators run.
+#pragma once
+#include <ATen/ATen.h>
+
+// y = x @ w.T for bf16 x (M, K) and w (N, K) into y (M, N); M <= 2 runs the AVX-512 BF16 loop,
+// larger M torch's GEMM (gemv.cpp).
+void linear_bf16_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
+
+// Write k, v (seqs, KVH, D) into the caches at slot_mapping, then attend each query (seqs, H, D) to
+// its sequence's cached positions, into out (like q) (paged_attention.cpp).
+void paged_decode_write_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             at::Tensor& k_cache, at::Tensor& v_cache,
+                             const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                             const at::Tensor& seq_lens, int64_t block_size, double scale,
+                             at::Tensor& out);

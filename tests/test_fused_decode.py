@@ -1,0 +1,155 @@
+"""fused_decode: a decode-only step as one C++ call (kernels/cpu/decode_step.cpp).
+
+The fused step rounds to bf16 where the eager model does, so against the same engine without it
+(GEMV kernels and C++ attention in both) one decode step gives the same hidden states and writes the
+same K/V, bit for bit (tiny models, 1 and 3 sequences; SmolLM2), and generation gives the same
+greedy tokens in batches that mix prefills and decodes. The operator must really run in every
+decode-only step, and in no other.
+"""
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kernels.cpu import available
+from workbench import LLM, SamplingParams
+from workbench.config import EngineConfig
+
+OK, WHY = available()
+needs_kernels = pytest.mark.skipif(not OK, reason=f"CPU kernels unavailable: {WHY}")
+FUSED_OP = "workbench_cpu::decode_step_bf16"
+
+
+def engines(model, **extra):
+    kwargs = dict(model=str(model), dtype="bfloat16", device="cpu", verbose=False,
+                  cpu_gemv=True, attention_backend="cpu", **extra)
+    return LLM(fused_decode=True, **kwargs), LLM(fused_decode=False, **kwargs)
+
+
+def op_calls(llm, prompts, params) -> tuple[int, list]:
+    """How many times the fused operator ran while generating, and the outputs."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        outs = llm.generate(prompts, params)
+    calls = sum(e.count for e in prof.key_averages() if e.key == FUSED_OP)
+    return calls, outs
+
+
+@needs_kernels
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mha"])
+def test_fused_steps_give_the_unfused_tokens(preset):
+    """Prompts of different lengths, four sequences at once, chunked prefill: steps that mix a
+    prefill chunk with decodes run the unfused forward, pure decode steps the fused one."""
+    from workbench.models import make_random_checkpoint
+    folder = make_random_checkpoint(preset, seed=0)
+    fused, plain = engines(folder, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16)
+    prompts = [[5, 6, 7, 8, 9], list(range(100, 140)), [11, 12], list(range(300, 323))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    start = len(fused.trace)
+    calls, outs = op_calls(fused, prompts, params)
+    expected = plain.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+    steps = fused.trace[start:]
+    assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps)   # mixed steps ran
+    assert calls == sum(s.num_prefill_tokens == 0 for s in steps) >= 8
+
+
+@needs_kernels
+def test_the_operator_runs_in_decode_only_steps_and_nowhere_else(tiny_folder):
+    fused, _ = engines(tiny_folder, max_model_len=64)
+    start = len(fused.trace)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    calls, _ = op_calls(fused, [[5, 6, 7, 8, 9]], params)
+    steps = fused.trace[start:]
+    assert [s.num_prefill_tokens for s in steps] == [5, 0, 0, 0, 0, 0]
+    assert calls == 5                       # one per decode step; the prefill is unfused
+    from workbench.models.fused_decode import FusedDecodeForward
+    assert isinstance(fused.engine.runner.forward_fn, FusedDecodeForward)
+
+
+def one_step_both_ways(model, num_seqs: int):
+    """Prefill `num_seqs` prompts, then run one decode step through the fused operator and, from
+    the same cache contents, through the unfused forward: (hidden states, caches after) of each."""
+    fused, _ = engines(model, max_model_len=128)
+    runner = fused.engine.runner
+    step = runner.forward_fn
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (7, 20, 33)[:num_seqs]]
+    tables = [[4 * i + j for j in range(4)] for i in range(num_seqs)]
+    caches = runner.cache.kv_caches
+    results = []
+    with torch.inference_mode():
+        ids, pos, meta = runner.pack([(p, 0) for p in prompts], tables)
+        step.inner(ids, pos, caches, meta, runner.backend)
+        before = [(k.clone(), v.clone()) for k, v in caches]
+        for forward in (step, step.inner):
+            for (k, v), (k0, v0) in zip(caches, before):
+                k.copy_(k0)
+                v.copy_(v0)
+            ids, pos, meta = runner.pack([([5], len(p)) for p in prompts], tables)
+            assert step.takes(meta, runner.backend)
+            hidden = forward(ids, pos, caches, meta, runner.backend)
+            results.append((hidden, [(k.clone(), v.clone()) for k, v in caches]))
+    return results
+
+
+def assert_same_step(model, num_seqs):
+    (hidden, caches), (hidden_ref, caches_ref) = one_step_both_ways(model, num_seqs)
+    assert torch.equal(hidden, hidden_ref), (hidden - hidden_ref).abs().max()
+    for (k, v), (k_ref, v_ref) in zip(caches, caches_ref):
+        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
+@needs_kernels
+@pytest.mark.parametrize("num_seqs", [1, 3])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mha"])
+def test_a_fused_step_is_bit_equal_to_the_unfused_step(preset, num_seqs):
+    """The same hidden states and the same K/V written, bit for bit: the fused loop rounds where
+    eager PyTorch rounds (measured: equal on these models and on SmolLM2). 3 sequences take
+    torch's matmul inside the operator, as they do outside it."""
+    from workbench.models import make_random_checkpoint
+    assert_same_step(make_random_checkpoint(preset, seed=0), num_seqs)
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_a_fused_smollm2_step_is_bit_equal_to_the_unfused_step():
+    assert_same_step("smollm2-135m", 1)
+
+
+def test_fused_decode_setting_is_validated():
+    with pytest.raises(ValueError, match=r"fused_decode='yes' is invalid: allowed are True, False"):
+        EngineConfig(device="cpu", fused_decode="yes")
+    with pytest.raises(ValueError, match=r"fused_decode=True is invalid here: it runs the GEMV "
+                                         r"kernels, and cpu_gemv=False does not enable them"):
+        EngineConfig(device="cpu", dtype="bfloat16", fused_decode=True, attention_backend="cpu")
+    if not OK:
+        return
+    with pytest.raises(ValueError, match=r"it runs the C\+\+ paged attention, and "
+                                         r"attention_backend='torch'"):
+        EngineConfig(device="cpu", dtype="bfloat16", cpu_gemv=True, fused_decode=True,
+                     attention_backend="torch")
+    with pytest.raises(ValueError, match=r"it takes plain bf16 layers"):
+        EngineConfig(device="cpu", dtype="bfloat16", cpu_gemv=True, fused_decode=True,
+                     attention_backend="cpu", quantization="int8")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8'; use 'auto'"):
+        EngineConfig(device="cpu", dtype="bfloat16", cpu_gemv=True, fused_decode=True,
+                     attention_backend="cpu", kv_cache_dtype="fp8")
+
+
+@needs_kernels
+def test_bad_operator_inputs_are_named(tiny_folder):
+    fused, _ = engines(tiny_folder, max_model_len=64)
+    f = fused.engine.runner.forward_fn
+    m = fused.engine.model
+    x = torch.zeros(1, m.args.hidden_size, dtype=torch.bfloat16)
+    ks, vs = f._split(fused.engine.cache.kv_caches)
+    args = lambda positions, in_norms: (
+        x, positions, in_norms, f.post_norms, f.qkv, f.o, f.gate_up, f.down, m.norm.weight,
+        m.rotary.cos, m.rotary.sin, ks, vs, torch.zeros(1, dtype=torch.long),
+        torch.zeros(1, 4, dtype=torch.long), torch.ones(1, dtype=torch.long), 16, 1e-5, 0.25,
+        f.num_heads, f.num_kv_heads)
+    far = torch.tensor([m.rotary.cos.shape[0]])
+    with pytest.raises(RuntimeError, match=r"positions\[0\]=\d+ is outside the rotary tables"):
+        torch.ops.workbench_cpu.decode_step_bf16(*args(far, f.in_norms))
+    with pytest.raises(RuntimeError, match=r"every per-layer list must have 2 tensors"):
+        torch.ops.workbench_cpu.decode_step_bf16(*args(torch.zeros(1, dtype=torch.long),
+                                                       f.in_norms[:1]))
