@@ -153,3 +153,20 @@ def test_bad_operator_inputs_are_named(tiny_folder):
     with pytest.raises(RuntimeError, match=r"every per-layer list must have 2 tensors"):
         torch.ops.workbench_cpu.decode_step_bf16(*args(torch.zeros(1, dtype=torch.long),
                                                        f.in_norms[:1]))
+
+
+@needs_kernels
+def test_speculative_decoding_runs_fused_and_unfused_steps_alike(tiny_folder):
+    """With n-gram speculation, verify steps (1 + k tokens per sequence) take the unfused forward
+    and steps where no draft was found the fused one; the tokens are the unfused engine's."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    fused, plain = engines(tiny_folder, max_model_len=128, speculative_config=spec)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [11, 12, 13, 14]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    start = len(fused.trace)
+    calls, outs = op_calls(fused, prompts, params)
+    assert ([o.outputs[0].token_ids for o in outs]
+            == [o.outputs[0].token_ids for o in plain.generate(prompts, params)])
+    steps = fused.trace[start:]
+    verifying = [s for s in steps if s.spec]
+    assert verifying and 1 <= calls == sum(s.num_prefill_tokens == 0 and not s.spec for s in steps)

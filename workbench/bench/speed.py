@@ -100,16 +100,22 @@ def ladder(model: str = "smollm2-135m", new_tokens: int = 128, repeats: int = 3,
     for kind, runner in runners.values():           # warm up: compile, allocate, pick kernels
         _once(kind, runner, prompt_ids, 8)
     runs = {label: [] for label in runners}
-    bandwidths = []     # the copy bandwidth is a row of every round too: a shared VM's memory
-    for _ in range(repeats):       # bandwidth moves (20 to 49 GB/s seen on one machine in a day)
-        bandwidths.append(copy_bandwidth())
+    # The copy bandwidth is measured right before every engine row's run, and each run's achieved
+    # bandwidth is compared with its own: a shared VM's memory bandwidth moves within seconds (30
+    # to 56 GB/s seen on the AMD VM within one round of this ladder), so one measurement per round
+    # could be from the other mode than the row it is compared with.
+    bandwidths = {label: [] for label, (kind, _) in runners.items() if kind == "engine"}
+    for _ in range(repeats):
         for label, (kind, runner) in runners.items():
+            if kind == "engine":
+                bandwidths[label].append(copy_bandwidth())
             runs[label].append(_once(kind, runner, prompt_ids, new_tokens))
-    bandwidth = statistics.median(bandwidths)
+    every = [bw for bws in bandwidths.values() for bw in bws]
+    bandwidth = statistics.median(every)
     context = len(prompt_ids) + new_tokens // 2
     out = {"threads": threads, "new_tokens": new_tokens, "repeats": repeats,
            "prompt_tokens": len(prompt_ids), "copy_bandwidth_gbs": bandwidth,
-           "copy_bandwidth_per_round_gbs": bandwidths, "rows": {}}
+           "copy_bandwidth_range_gbs": [min(every), max(every)], "rows": {}}
     for label, rs in runs.items():
         row = {"tok_s": statistics.median(r["tok_s"] for r in rs),
                "decode_tok_s": statistics.median(r.get("decode_tok_s", float("nan")) for r in rs)
@@ -121,10 +127,11 @@ def ladder(model: str = "smollm2-135m", new_tokens: int = 128, repeats: int = 3,
                 llm.engine.model.weight_bytes(),
                 llm.engine.model_args.kv_bytes_per_token(llm.engine.dtype), context)
             row["achieved_gbs"] = per_token * row["decode_tok_s"] / 1e9
-            # each round's decode speed against the bandwidth measured in the same round
+            # each run's decode speed against the bandwidth measured just before it
             row["fraction_of_copy_bandwidth"] = statistics.median(
-                per_token * r["decode_tok_s"] / 1e9 / bw for r, bw in zip(rs, bandwidths))
+                per_token * r["decode_tok_s"] / 1e9 / bw for r, bw in zip(rs, bandwidths[label]))
             row["decode_tok_s_per_round"] = [r["decode_tok_s"] for r in rs]
+            row["copy_bandwidth_per_round_gbs"] = bandwidths[label]
         out["rows"][label] = row
     # Ratios from the same rounds (round i of one row against round i of the other).
     def ratio(a, b):
@@ -207,8 +214,10 @@ def format_table(r: dict) -> str:
     lad = r["ladder"]
     lines = [f"speed ladder: single-stream ({lad['prompt_tokens']}-token prompt, "
              f"{lad['new_tokens']} new tokens, greedy, batch 1), {lad['threads']} threads, "
-             f"{lad['repeats']} rounds round-robin; copy bandwidth "
-             f"{lad['copy_bandwidth_gbs']:.1f} GB/s (read + write)", "",
+             f"{lad['repeats']} rounds round-robin; copy bandwidth (read + write) measured "
+             f"before every engine run: median {lad['copy_bandwidth_gbs']:.1f} GB/s, range "
+             + "-".join(f"{b:.1f}" for b in lad.get("copy_bandwidth_range_gbs", [])) + " GB/s; "
+             "'of copy BW': median over rounds of each run against its own measurement", "",
              f"{'row':<42}{'tok/s':>8}{'decode tok/s':>14}{'GB/s':>7}{'of copy BW':>12}"]
     for label, row in lad["rows"].items():
         dec = row.get("decode_tok_s")
