@@ -61,6 +61,10 @@ def test_the_operator_runs_in_decode_only_steps_and_nowhere_else(tiny_folder):
     steps = fused.trace[start:]
     assert [s.num_prefill_tokens for s in steps] == [5, 0, 0, 0, 0, 0]
     assert calls == 5                       # one per decode step; the prefill is unfused
+    assert "decode steps: one C++ call" in fused.describe()
+    auto = LLM(model=str(tiny_folder), dtype="bfloat16", device="cpu", verbose=False,
+               max_model_len=64, cpu_gemv=None, attention_backend="cpu", fused_decode=True)
+    assert "matmuls: AVX-512 GEMV" in auto.describe() and "no GEMV" not in auto.describe()
     from workbench.models.fused_decode import FusedDecodeForward
     assert isinstance(fused.engine.runner.forward_fn, FusedDecodeForward)
 

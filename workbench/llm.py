@@ -54,10 +54,10 @@ class LLM:
         kv = f", kv_cache_dtype={e.config.kv_cache_dtype}" if e.config.kv_cache_dtype != "auto" else ""
         if e.config.use_cpu_gemv:
             kv += ", matmuls: AVX-512 GEMV (kernels/cpu) for 1-2 rows"
-        if e.config.fused_decode:
-            kv += ", decode steps: one C++ call (fused_decode)"
         elif e.config.cpu_gemv is None and e.device.type == "cpu":
             kv += f", matmuls: torch (no GEMV: {e.config.cpu_gemv_reason})"
+        if e.config.fused_decode:
+            kv += ", decode steps: one C++ call (fused_decode)"
         return (f"[workbench] {e.config.model}: {weights}, {dtype}{quant}{kv}, "
                 f"attention={e.backend.name}, "
                 f"max_model_len={e.config.max_model_len}, max_num_seqs={e.config.max_num_seqs}, "

@@ -23,6 +23,7 @@
 #include <immintrin.h>
 #include <cstring>
 
+#include "avx512_math.h"
 #include "ops.h"
 
 #include <algorithm>
@@ -43,25 +44,6 @@ TARGET inline __m512 load16(const bf16* p) {   // bf16 is the top half of an fp3
 TARGET inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 TARGET inline void store16(bf16* p, __m512 v) {   // round to nearest even, as torch does
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
-}
-
-// e^x for x <= 0 (scores minus their max): x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-7
-// Taylor polynomial (relative error < 1e-7 on that interval), times 2^n by scalef.
-TARGET inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);       // ln2, high bits
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);     // ln2, the rest
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
 }
 
 // Softmax of one row in place, left unnormalized (e^(x - max)); returns 1 / their sum, which is
