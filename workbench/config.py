@@ -88,6 +88,9 @@ class EngineConfig:
     # A decode-only step as one C++ call, every layer inside (models/fused_decode.py): bf16 weights,
     # the GEMV kernels (cpu_gemv) and attention_backend="cpu"; other steps run as before.
     fused_decode: bool = False
+    # Decode steps replayed from CUDA graphs captured at start for batch sizes 1, 2, 4, 8, 16, ...
+    # up to max_num_seqs (models/cuda_graphs.py): device "cuda", the Triton attention backend.
+    cuda_graphs: bool = False
     # The paged KV cache.
     block_size: int = 16                 # tokens per KV block
     num_kv_blocks: int | None = None     # size of the pool in blocks, or
@@ -145,6 +148,7 @@ class EngineConfig:
                              "pipeline_parallel_size and expert_parallel_size must be 1)")
         self._check_cpu_gemv()
         self._check_fused_decode()
+        self._check_cuda_graphs()
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r} is invalid: it must be an integer")
         _positive_int("block_size", self.block_size)
@@ -231,6 +235,25 @@ class EngineConfig:
                        f"{self.kv_cache_dtype!r}; use 'auto'")
         if why_not:
             raise ValueError(f"fused_decode=True is invalid here: {why_not}")
+
+    def _check_cuda_graphs(self) -> None:
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs={self.cuda_graphs!r} is invalid: allowed are True, False")
+        if not self.cuda_graphs:
+            return
+        why_not = None
+        if self.torch_device.type != "cuda":
+            why_not = (f"graphs record GPU kernel launches, and device is "
+                       f"{self.torch_device.type!r}; use device='cuda'")
+        elif self.attention_backend not in ("auto", "triton"):
+            why_not = (f"the captured steps run the Triton kernels, and attention_backend="
+                       f"{self.attention_backend!r}; use 'auto' or 'triton'")
+        elif self.compile:
+            why_not = "graphs capture the eager forward here, and compile=True; set compile=False"
+        elif self.world_size > 1:
+            why_not = "graphs are for a single-process engine; set the parallel sizes to 1"
+        if why_not:
+            raise ValueError(f"cuda_graphs=True is invalid here: {why_not}")
 
     @property
     def world_size(self) -> int:

@@ -78,7 +78,8 @@ class LLMEngine:
         if self.model is not None:                  # a single-process engine runs its own model
             self.runner = ModelRunner(self.model, self.cache, self.blocks, self.backend,
                                       self.device, compile=config.compile,
-                                      fused_decode=config.fused_decode)
+                                      fused_decode=config.fused_decode,
+                                      cuda_graphs=self._graph_settings(config))
         self.sampler = Sampler(config.seed)
         self.drafter = None
         if config.spec_config is not None:
@@ -113,6 +114,12 @@ class LLMEngine:
         self.cache = PagedKVCache(self.model_args, config.num_kv_blocks, config.block_size,
                                   self.dtype, self.device, config.num_cpu_blocks,
                                   kv_cache_dtype=config.kv_cache_dtype)
+
+    @staticmethod
+    def _graph_settings(config: EngineConfig) -> dict | None:
+        if not config.cuda_graphs:
+            return None
+        return {"max_num_seqs": config.max_num_seqs, "max_model_len": config.max_model_len}
 
     def _others_hold_blocks(self, me: Scheduler):
         return lambda: any(other.running for other in self.schedulers if other is not me)

@@ -58,6 +58,10 @@ class LLM:
             kv += f", matmuls: torch (no GEMV: {e.config.cpu_gemv_reason})"
         if e.config.fused_decode:
             kv += ", decode steps: one C++ call (fused_decode)"
+        if e.config.cuda_graphs:
+            g = e.runner.forward_fn
+            kv += (f", decode steps: CUDA graphs for batch sizes {g.sizes[0]}-{g.sizes[-1]} "
+                   f"({len(g.sizes)} captured in {g.capture_s:.1f} s)")
         return (f"[workbench] {e.config.model}: {weights}, {dtype}{quant}{kv}, "
                 f"attention={e.backend.name}, "
                 f"max_model_len={e.config.max_model_len}, max_num_seqs={e.config.max_num_seqs}, "

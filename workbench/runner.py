@@ -99,7 +99,7 @@ class ModelRunner:
 
     def __init__(self, model: LlamaModel, cache: PagedKVCache, blocks: BlockManager | None,
                  backend, device: torch.device, compile: bool = False,
-                 fused_decode: bool = False):
+                 fused_decode: bool = False, cuda_graphs: dict | None = None):
         self.model, self.cache, self.blocks = model, cache, blocks
         self.backend, self.device = backend, device
         self.forward_fn = model          # or the compiled forward (compiles on its first call)
@@ -109,6 +109,10 @@ class ModelRunner:
         if fused_decode:                 # decode-only steps in one C++ call, the rest as above
             from .models.fused_decode import FusedDecodeForward
             self.forward_fn = FusedDecodeForward(model, self.forward_fn)
+        if cuda_graphs is not None:      # decode steps replayed from CUDA graphs (models/cuda_graphs.py)
+            from .models.cuda_graphs import GraphedDecodeForward
+            self.forward_fn = GraphedDecodeForward(model, self.forward_fn, cache, blocks, backend,
+                                                   **cuda_graphs)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         rows = [(seq.scheduled_tokens(seq.num_computed_tokens, n), seq.num_computed_tokens)

@@ -238,12 +238,17 @@ def format_table(r: dict) -> str:
                   "llama.cpp one by one "
                   + (f"{o['llama.cpp']['tok_s']:.1f} tok/s" if o["llama.cpp"] else "skipped "
                      "(pip install llama-cpp-python)")]
-    lines += ["", f"{'target':<52}{'measured':>10}{'bar':>8}  met"]
-    for t in r["targets"]:
+    return "\n".join(lines + format_targets(r["targets"]))
+
+
+def format_targets(targets: list[dict]) -> list[str]:
+    """The targets table: measured against the bar, met, not met, or skipped (None)."""
+    lines = ["", f"{'target':<52}{'measured':>10}{'bar':>8}  met"]
+    for t in targets:
         m = "-" if t["measured"] is None else f"{t['measured']:.2f}"
         met = "skipped" if t["met"] is None else ("yes" if t["met"] else "NO")
         lines.append(f"{t['target']:<52}{m:>10}{t['bar']:>8.2f}  {met}")
-    return "\n".join(lines)
+    return lines
 
 
 def main(argv=None) -> None:

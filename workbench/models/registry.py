@@ -25,6 +25,10 @@ RANDOM_PRESETS = {
                      num_attention_heads=4, num_key_value_heads=4, head_dim=16),
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, head_dim=64),
+    # Llama-3.2-1B's layers (with SmolLM2's vocabulary, as every preset here): the 1B reference
+    # shape of the GPU benchmark (python -m workbench.bench gpu). 1.07 B parameters.
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=64),
 }
 RANDOM_COMMON = dict(model_type="llama", vocab_size=49152, max_position_embeddings=2048,
                      rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
