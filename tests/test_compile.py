@@ -68,8 +68,31 @@ def test_attention_operator_outside_a_step_is_a_clear_error():
         torch.ops.workbench.attention(q, q[:, :1], q[:, :1], 0)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_frozen_weights_are_prepacked_and_give_the_same_tokens(tiny_folder, dtype):
+    """freeze_weights=True: Inductor's freezing turns every linear layer of the compiled graph
+    into oneDNN's linear over a prepacked weight (seen in the profile), tokens unchanged."""
+    from torch.profiler import profile
+    prompts = make_prompts(seed=7, n=3)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    ops, tokens = {}, {}
+    for freeze in (False, True):
+        llm = LLM(model=str(tiny_folder), dtype=dtype, device="cpu", verbose=False,
+                  max_model_len=128, compile=True, freeze_weights=freeze)
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2))   # compile
+        with profile() as prof:
+            out = llm.generate(prompts, params)
+        tokens[freeze] = [o.outputs[0].token_ids for o in out]
+        ops[freeze] = {e.key: e.count for e in prof.key_averages()}
+    assert tokens[True] == tokens[False]
+    assert ops[True].get("mkldnn::_linear_pointwise", 0) > 0
+    assert "mkldnn::_linear_pointwise" not in ops[False]
+
+
 @pytest.mark.parametrize("kwargs, field", [
     ({"compile": "yes"}, "compile='yes'"),
+    ({"freeze_weights": True}, "freeze_weights=True is invalid with compile=False"),
+    ({"compile": True, "freeze_weights": 1}, "freeze_weights=1 is invalid"),
     ({"compile": True, "tensor_parallel_size": 2}, "compile=True is invalid with 2 worker"),
 ])
 def test_bad_compile_settings_name_the_field(tiny_folder, kwargs, field):

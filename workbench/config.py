@@ -80,6 +80,10 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None       # CPU threads for torch; None leaves torch's choice
     compile: bool = False                # torch.compile the forward, attention opaque (models/compile.py)
+    # With compile=True: Inductor's freezing, the weights compiled in as constants and, on CPU,
+    # prepacked for oneDNN once instead of reordered on every matmul call. Costs a second copy of
+    # the weights in memory (the model keeps its own for the eager paths).
+    freeze_weights: bool = False
     # Hand-written AVX-512 BF16 matmuls for 1-2 row steps (kernels/cpu): bf16 layers, and INT8 / INT4
     # (group size 128) quantized ones. Off by default: they make a
     # sequence's rounding depend on how many rows share its step (see the README); None: on where
@@ -142,6 +146,12 @@ class EngineConfig:
             _positive_int("num_threads", self.num_threads)
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile={self.compile!r} is invalid: allowed are True, False")
+        if not isinstance(self.freeze_weights, bool):
+            raise ValueError(f"freeze_weights={self.freeze_weights!r} is invalid: allowed are True, "
+                             "False")
+        if self.freeze_weights and not self.compile:
+            raise ValueError("freeze_weights=True is invalid with compile=False: freezing is a step "
+                             "of compilation; set compile=True")
         if self.compile and self.world_size > 1:
             raise ValueError(f"compile=True is invalid with {self.world_size} worker processes: "
                              "compilation is for a single-process engine (tensor_parallel_size, "

@@ -79,7 +79,8 @@ class LLMEngine:
             self.runner = ModelRunner(self.model, self.cache, self.blocks, self.backend,
                                       self.device, compile=config.compile,
                                       fused_decode=config.fused_decode,
-                                      cuda_graphs=self._graph_settings(config))
+                                      cuda_graphs=self._graph_settings(config),
+                                      freeze_weights=config.freeze_weights)
         self.sampler = Sampler(config.seed)
         self.drafter = None
         if config.spec_config is not None:

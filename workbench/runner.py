@@ -99,13 +99,14 @@ class ModelRunner:
 
     def __init__(self, model: LlamaModel, cache: PagedKVCache, blocks: BlockManager | None,
                  backend, device: torch.device, compile: bool = False,
-                 fused_decode: bool = False, cuda_graphs: dict | None = None):
+                 fused_decode: bool = False, cuda_graphs: dict | None = None,
+                 freeze_weights: bool = False):
         self.model, self.cache, self.blocks = model, cache, blocks
         self.backend, self.device = backend, device
         self.forward_fn = model          # or the compiled forward (compiles on its first call)
         if compile:
             from .models.compile import CompiledForward
-            self.forward_fn = CompiledForward(model)
+            self.forward_fn = CompiledForward(model, freeze=freeze_weights)
         if fused_decode:                 # decode-only steps in one C++ call, the rest as above
             from .models.fused_decode import FusedDecodeForward
             self.forward_fn = FusedDecodeForward(model, self.forward_fn)

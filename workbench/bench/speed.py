@@ -16,8 +16,9 @@ process so that every row sees the same machine noise, `repeats` rounds, medians
 Each row reports end-to-end tok/s (prefill included), decode tok/s, and the bandwidth it achieves:
 (weight bytes + KV bytes of the context) x decode tok/s, against the measured copy bandwidth.
 
-Then the offline-mixed workload: the engine (compiled bf16, continuous batching, decode attention
-in the C++ paged kernel of kernels/cpu where it builds: attention_backend="cpu") against
+Then the offline-mixed workload: the engine (compiled bf16 with frozen, prepacked weights,
+continuous batching, decode attention in the C++ paged kernel of kernels/cpu where it builds:
+attention_backend="cpu") against
 transformers' generate() in static padded batches of 8 and llama.cpp serving the requests one
 after another. Last, the issue's targets, each with what was measured and whether it was met.
 """
@@ -166,10 +167,11 @@ def offline(model: str = "smollm2-135m", num_requests: int = 64, compile: bool =
     backend = "cpu" if available()[0] else "torch"
     llm = LLM(model=model, dtype="bfloat16", device="cpu", verbose=False, max_model_len=512,
               max_num_seqs=64, max_num_batched_tokens=1024, compile=compile,
-              attention_backend=backend)
+              freeze_weights=compile, attention_backend=backend)
     engine_run(llm, requests[:4])                            # warm-up (and compile)
     out = {"num_requests": num_requests, "engine": engine_run(llm, requests)}
     out["engine"]["attention_backend"] = backend
+    out["engine"]["freeze_weights"] = compile
     del llm
     hf = AutoModelForCausalLM.from_pretrained(
         str(resolve_checkpoint(model)),
