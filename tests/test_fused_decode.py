@@ -1,8 +1,9 @@
 """fused_decode: a decode-only step as one C++ call (kernels/cpu/decode_step.cpp).
 
-The fused step rounds to bf16 where the eager model does, so against the same engine without it
-(GEMV kernels and C++ attention in both) one decode step gives the same hidden states and writes the
-same K/V, bit for bit (tiny models, 1 and 3 sequences; SmolLM2), and generation gives the same
+The fused step rounds to bf16 where the eager model does and runs the layers' own GEMV functions
+(bf16, INT8, INT4 weights), so against the same engine without it (GEMV kernels and C++ attention
+in both) one decode step gives the same hidden states and writes the same K/V, bit for bit (tiny
+models, 1 and 3 sequences, every weight kind; SmolLM2), and generation gives the same
 greedy tokens in batches that mix prefills and decodes. The operator must really run in every
 decode-only step, and in no other.
 """
@@ -16,7 +17,7 @@ from workbench.config import EngineConfig
 
 OK, WHY = available()
 needs_kernels = pytest.mark.skipif(not OK, reason=f"CPU kernels unavailable: {WHY}")
-FUSED_OP = "workbench_cpu::decode_step_bf16"
+FUSED_OP = "workbench_cpu::decode_step"
 
 
 def engines(model, **extra):
@@ -34,13 +35,15 @@ def op_calls(llm, prompts, params) -> tuple[int, list]:
 
 
 @needs_kernels
-@pytest.mark.parametrize("preset", ["tiny", "tiny-mha"])
-def test_fused_steps_give_the_unfused_tokens(preset):
+@pytest.mark.parametrize("preset, quantization", [("tiny", None), ("tiny-mha", None),
+                                                  ("tiny", "int8"), ("tiny-mha", "int4")])
+def test_fused_steps_give_the_unfused_tokens(preset, quantization):
     """Prompts of different lengths, four sequences at once, chunked prefill: steps that mix a
     prefill chunk with decodes run the unfused forward, pure decode steps the fused one."""
     from workbench.models import make_random_checkpoint
     folder = make_random_checkpoint(preset, seed=0)
-    fused, plain = engines(folder, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16)
+    fused, plain = engines(folder, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16,
+                           quantization=quantization)
     prompts = [[5, 6, 7, 8, 9], list(range(100, 140)), [11, 12], list(range(300, 323))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     start = len(fused.trace)
@@ -69,10 +72,10 @@ def test_the_operator_runs_in_decode_only_steps_and_nowhere_else(tiny_folder):
     assert isinstance(fused.engine.runner.forward_fn, FusedDecodeForward)
 
 
-def one_step_both_ways(model, num_seqs: int):
+def one_step_both_ways(model, num_seqs: int, quantization=None):
     """Prefill `num_seqs` prompts, then run one decode step through the fused operator and, from
     the same cache contents, through the unfused forward: (hidden states, caches after) of each."""
-    fused, _ = engines(model, max_model_len=128)
+    fused, _ = engines(model, max_model_len=128, quantization=quantization)
     runner = fused.engine.runner
     step = runner.forward_fn
     gen = torch.Generator().manual_seed(0)
@@ -95,28 +98,31 @@ def one_step_both_ways(model, num_seqs: int):
     return results
 
 
-def assert_same_step(model, num_seqs):
-    (hidden, caches), (hidden_ref, caches_ref) = one_step_both_ways(model, num_seqs)
+def assert_same_step(model, num_seqs, quantization=None):
+    (hidden, caches), (hidden_ref, caches_ref) = one_step_both_ways(model, num_seqs, quantization)
     assert torch.equal(hidden, hidden_ref), (hidden - hidden_ref).abs().max()
     for (k, v), (k_ref, v_ref) in zip(caches, caches_ref):
         assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
 
 
 @needs_kernels
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 @pytest.mark.parametrize("num_seqs", [1, 3])
 @pytest.mark.parametrize("preset", ["tiny", "tiny-mha"])
-def test_a_fused_step_is_bit_equal_to_the_unfused_step(preset, num_seqs):
+def test_a_fused_step_is_bit_equal_to_the_unfused_step(preset, num_seqs, quantization):
     """The same hidden states and the same K/V written, bit for bit: the fused loop rounds where
-    eager PyTorch rounds (measured: equal on these models and on SmolLM2). 3 sequences take
-    torch's matmul inside the operator, as they do outside it."""
+    eager PyTorch rounds and calls the layers' own GEMV code (measured: equal on these models
+    and on SmolLM2). 3 sequences take torch's (aten's INT8/INT4) matmul inside the operator, as
+    they do outside it; INT4 inputs are zero-padded to whole groups inside it, as outside."""
     from workbench.models import make_random_checkpoint
-    assert_same_step(make_random_checkpoint(preset, seed=0), num_seqs)
+    assert_same_step(make_random_checkpoint(preset, seed=0), num_seqs, quantization)
 
 
 @needs_kernels
 @pytest.mark.slow
-def test_a_fused_smollm2_step_is_bit_equal_to_the_unfused_step():
-    assert_same_step("smollm2-135m", 1)
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_a_fused_smollm2_step_is_bit_equal_to_the_unfused_step(quantization):
+    assert_same_step("smollm2-135m", 1, quantization)
 
 
 def test_fused_decode_setting_is_validated():
@@ -131,9 +137,10 @@ def test_fused_decode_setting_is_validated():
                                          r"attention_backend='torch'"):
         EngineConfig(device="cpu", dtype="bfloat16", cpu_gemv=True, fused_decode=True,
                      attention_backend="torch")
-    with pytest.raises(ValueError, match=r"it takes plain bf16 layers"):
+    with pytest.raises(ValueError, match=r"it takes bf16, INT8 or INT4 weight-only layers "
+                                         r"without experts, and quantization='smoothquant'"):
         EngineConfig(device="cpu", dtype="bfloat16", cpu_gemv=True, fused_decode=True,
-                     attention_backend="cpu", quantization="int8")
+                     attention_backend="cpu", quantization="smoothquant")
     with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8'; use 'auto'"):
         EngineConfig(device="cpu", dtype="bfloat16", cpu_gemv=True, fused_decode=True,
                      attention_backend="cpu", kv_cache_dtype="fp8")
@@ -151,12 +158,18 @@ def test_bad_operator_inputs_are_named(tiny_folder):
         m.rotary.cos, m.rotary.sin, ks, vs, torch.zeros(1, dtype=torch.long),
         torch.zeros(1, 4, dtype=torch.long), torch.ones(1, dtype=torch.long), 16, 1e-5, 0.25,
         f.num_heads, f.num_kv_heads)
+    zero = torch.zeros(1, dtype=torch.long)
     far = torch.tensor([m.rotary.cos.shape[0]])
+    step = torch.ops.workbench_cpu.decode_step
     with pytest.raises(RuntimeError, match=r"positions\[0\]=\d+ is outside the rotary tables"):
-        torch.ops.workbench_cpu.decode_step_bf16(*args(far, f.in_norms))
-    with pytest.raises(RuntimeError, match=r"every per-layer list must have 2 tensors"):
-        torch.ops.workbench_cpu.decode_step_bf16(*args(torch.zeros(1, dtype=torch.long),
-                                                       f.in_norms[:1]))
+        step(*args(far, f.in_norms), 0, 0)
+    with pytest.raises(RuntimeError, match=r"every per-layer list must have 1 tensors"):
+        step(*args(zero, f.in_norms[:1]), 0, 0)
+    with pytest.raises(RuntimeError, match=r"weight_kind=3 is invalid: 0 \(bf16\), 1 \(INT8\)"):
+        step(*args(zero, f.in_norms), 3, 0)
+    with pytest.raises(RuntimeError, match=r"qkv must hold 2 tensors per layer for weight_kind 1 "
+                                           r"\(4 in all\), got 2"):
+        step(*args(zero, f.in_norms), 1, 0)     # bf16 weights, one per layer, called INT8
 
 
 @needs_kernels

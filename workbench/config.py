@@ -238,8 +238,10 @@ class EngineConfig:
         elif self.attention_backend != "cpu":
             why_not = (f"it runs the C++ paged attention, and attention_backend="
                        f"{self.attention_backend!r}; use attention_backend='cpu'")
-        elif self.quantization is not None or self.moe_config is not None:
-            why_not = "it takes plain bf16 layers: set quantization and moe_config to None"
+        elif self.quantization not in (None, "int8", "int4") or self.moe_config is not None:
+            why_not = (f"it takes bf16, INT8 or INT4 weight-only layers without experts, and "
+                       f"quantization={self.quantization!r}, moe_config={self.moe_config!r}; "
+                       "use quantization None, 'int8' or 'int4' and moe_config=None")
         elif self.kv_cache_dtype != "auto":
             why_not = (f"it reads a cache in the model's dtype, and kv_cache_dtype="
                        f"{self.kv_cache_dtype!r}; use 'auto'")

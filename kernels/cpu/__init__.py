@@ -15,9 +15,11 @@ under torch's extension folder) and registered as torch operators:
     torch.ops.workbench_cpu.paged_decode_write(q, k, v, k_cache, v_cache, slot_mapping,
                                                block_tables, seq_lens, block_size, scale)
         the same after writing k, v (seqs, KVH, D) into the caches at slot_mapping (seqs,)
-    torch.ops.workbench_cpu.decode_step_bf16(x, positions, in_norms, post_norms, qkv, o, gate_up,
-                                             down, final_norm, cos, sin, k_caches, v_caches, ...)
-        a whole decode step of a bf16 Llama model, every layer in one call (models/fused_decode.py)
+    torch.ops.workbench_cpu.decode_step(x, positions, in_norms, post_norms, qkv, o, gate_up, down,
+                                        final_norm, cos, sin, k_caches, v_caches, ...,
+                                        weight_kind, group_size)
+        a whole decode step of a Llama model (bf16 activations; bf16, INT8 or INT4 weights), every
+        layer in one call (models/fused_decode.py)
 
 M <= 2 runs the hand-written loop (measured: it loses to torch's GEMM from 3 rows on); larger M
 goes to torch's kernel (aten's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu for INT8 /

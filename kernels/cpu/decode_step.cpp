@@ -1,5 +1,8 @@
-// A whole decode step of a Llama-family model (bf16, CPU) in one operator call: every layer's
-// norms, projections, rotary, paged attention and SwiGLU, then the final norm.
+// A whole decode step of a Llama-family model (bf16 activations, CPU) in one operator call: every
+// layer's norms, projections, rotary, paged attention and SwiGLU, then the final norm. The
+// projections' weights are bf16, INT8 weight-only or group-wise INT4 (weight_kind 0, 1, 2), run
+// by the same GEMV functions the layers' own operators run (gemv.cpp), so a fused step computes
+// exactly what the unfused one does.
 //
 // Why: at batch 1 the compiled forward (models/compile.py) spends ~9 ms of a ~12 ms SmolLM2 step
 // reading the weights in the GEMV loops, which is the part memory bandwidth sets. Most of the rest
@@ -107,45 +110,95 @@ TARGET void silu_mul_row(const bf16* gu, bf16* h, int64_t I) {
 
 void check_bf16(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.device().is_cpu(),
-              "decode_step_bf16: ", name, " must be a contiguous bf16 CPU tensor, got ",
+              "decode_step: ", name, " must be a contiguous bf16 CPU tensor, got ",
               t.scalar_type(), " ", t.sizes());
 }
+
+// One projection list of the step (qkv, o, gate_up or down): per layer, the tensors its layer
+// class holds, flattened. bf16: weight (N, K). INT8: qweight (N, K) int8, scale (N,). INT4: packed
+// (N, Kp / 2), scale, minimum (N, Kp / group_size), and aten's layout of the same codes
+// (aten_packed, aten_scale_zero) for steps of more than 2 rows; Kp is K padded to whole groups,
+// so x is copied into a zero-padded buffer first (Int4Linear._pad does the same).
+struct Projections {
+  at::TensorList t;
+  int64_t kind, group_size, per_layer;
+  const char* name;
+
+  Projections(at::TensorList t, int64_t kind, int64_t group_size, int64_t layers, const char* name)
+      : t(t), kind(kind), group_size(group_size), per_layer(kind == 0 ? 1 : kind == 1 ? 2 : 5),
+        name(name) {
+    TORCH_CHECK(static_cast<int64_t>(t.size()) == layers * per_layer, "decode_step: ", name,
+                " must hold ", per_layer, " tensors per layer for weight_kind ", kind, " (",
+                layers * per_layer, " in all), got ", t.size());
+  }
+  const at::Tensor& at(int64_t l, int64_t i) const { return t[l * per_layer + i]; }
+  int64_t rows(int64_t l) const { return at(l, 0).size(0); }
+
+  // y = x @ W_l.T; x (S, K) bf16, y (S, N). `padded` holds x widened to Kp for INT4 (reused).
+  void run(int64_t l, const at::Tensor& x, at::Tensor& y, at::Tensor& padded) const {
+    if (kind == 0) {
+      linear_bf16_into(x, at(l, 0), y);
+    } else if (kind == 1) {
+      linear_int8_into(x, at(l, 0), at(l, 1), y);
+    } else {
+      const int64_t K = x.size(1), Kp = at(l, 0).size(1) * 2;
+      const at::Tensor* in = &x;
+      if (Kp != K) {
+        TORCH_CHECK(Kp > K, "decode_step: ", name, "[", l, "] takes ", Kp, " inputs, fewer than ", K);
+        if (!padded.defined() || padded.size(0) != x.size(0) || padded.size(1) != Kp)
+          padded = at::zeros({x.size(0), Kp}, x.options());   // the pad columns stay zero
+        const int64_t S = x.size(0);
+        for (int64_t s = 0; s < S; ++s)
+          std::memcpy(padded.data_ptr<bf16>() + s * Kp, x.data_ptr<bf16>() + s * K,
+                      K * sizeof(bf16));
+        in = &padded;
+      }
+      linear_int4_into(*in, at(l, 0), at(l, 1), at(l, 2), group_size, at(l, 3), at(l, 4), y);
+    }
+  }
+};
 
 }  // namespace
 
 // x: (S, hidden) embeddings of the step's tokens, one decoding token per sequence; positions (S,).
-// Per layer l: in_norms[l], post_norms[l] (hidden,); qkv[l] ((H + 2 KVH) D, hidden); o[l]
-// (hidden, H D); gate_up[l] (2 I, hidden); down[l] (hidden, I); caches (slots, KVH, D). cos, sin:
-// fp32 (max_positions, D). Returns the final norm of the last residual stream, (S, hidden).
-at::Tensor decode_step_bf16(const at::Tensor& x, const at::Tensor& positions,
-                            at::TensorList in_norms, at::TensorList post_norms, at::TensorList qkv,
-                            at::TensorList o, at::TensorList gate_up, at::TensorList down,
-                            const at::Tensor& final_norm, const at::Tensor& cos,
-                            const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches,
-                            const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, int64_t block_size, double eps,
-                            double scale, int64_t num_heads, int64_t num_kv_heads) {
-  const int64_t L = static_cast<int64_t>(qkv.size());
-  TORCH_CHECK(in_norms.size() == L && post_norms.size() == L && o.size() == L &&
-              gate_up.size() == L && down.size() == L && k_caches.size() == L &&
-              v_caches.size() == L, "decode_step_bf16: every per-layer list must have ", L,
-              " tensors");
+// Per layer l: in_norms[l], post_norms[l] (hidden,); the weights of qkv ((H + 2 KVH) D rows), o
+// (hidden rows), gate_up (2 I rows), down (hidden rows), as Projections says; caches (slots, KVH,
+// D). cos, sin: fp32 (max_positions, D). Returns the final norm of the last residual stream,
+// (S, hidden).
+at::Tensor decode_step(const at::Tensor& x, const at::Tensor& positions,
+                       at::TensorList in_norms, at::TensorList post_norms, at::TensorList qkv_w,
+                       at::TensorList o_w, at::TensorList gate_up_w, at::TensorList down_w,
+                       const at::Tensor& final_norm, const at::Tensor& cos,
+                       const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches,
+                       const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                       const at::Tensor& seq_lens, int64_t block_size, double eps,
+                       double scale, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t weight_kind, int64_t group_size) {
+  const int64_t L = static_cast<int64_t>(in_norms.size());
+  TORCH_CHECK(weight_kind >= 0 && weight_kind <= 2, "decode_step: weight_kind=", weight_kind,
+              " is invalid: 0 (bf16), 1 (INT8) or 2 (INT4)");
+  TORCH_CHECK(post_norms.size() == L && k_caches.size() == L && v_caches.size() == L,
+              "decode_step: every per-layer list must have ", L, " tensors");
+  const Projections qkv(qkv_w, weight_kind, group_size, L, "qkv");
+  const Projections o(o_w, weight_kind, group_size, L, "o");
+  const Projections gate_up(gate_up_w, weight_kind, group_size, L, "gate_up");
+  const Projections down(down_w, weight_kind, group_size, L, "down");
   check_bf16(x, "x");
-  TORCH_CHECK(x.dim() == 2, "decode_step_bf16: x must be (seqs, hidden), got ", x.sizes());
+  TORCH_CHECK(x.dim() == 2, "decode_step: x must be (seqs, hidden), got ", x.sizes());
   const int64_t S = x.size(0), hidden = x.size(1);
   const int64_t D = cos.size(1), H = num_heads, KVH = num_kv_heads;
-  TORCH_CHECK(D % 2 == 0, "decode_step_bf16: head_dim (", D, ") must be even for rotary");
+  TORCH_CHECK(D % 2 == 0, "decode_step: head_dim (", D, ") must be even for rotary");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == S &&
-              positions.is_contiguous(), "decode_step_bf16: positions must be int64 (seqs,)");
+              positions.is_contiguous(), "decode_step: positions must be int64 (seqs,)");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
               cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes(),
-              "decode_step_bf16: cos and sin must be contiguous fp32 (max_positions, head_dim)");
+              "decode_step: cos and sin must be contiguous fp32 (max_positions, head_dim)");
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t s = 0; s < S; ++s)
-    TORCH_CHECK(pos[s] >= 0 && pos[s] < cos.size(0), "decode_step_bf16: positions[", s, "]=",
+    TORCH_CHECK(pos[s] >= 0 && pos[s] < cos.size(0), "decode_step: positions[", s, "]=",
                 pos[s], " is outside the rotary tables of ", cos.size(0), " positions");
   const int64_t q_size = H * D, kv_size = KVH * D;
-  const int64_t I = L > 0 ? gate_up[0].size(0) / 2 : 0;
+  const int64_t I = L > 0 ? gate_up.rows(0) / 2 : 0;
 
   // Every buffer of the step is allocated once here, not per layer: an allocation is a dispatched
   // operator call, and the point of this loop is to make none inside it.
@@ -163,21 +216,22 @@ at::Tensor decode_step_bf16(const at::Tensor& x, const at::Tensor& positions,
   bf16 *res = residual.data_ptr<bf16>(), *nrm = normed.data_ptr<bf16>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const float e = static_cast<float>(eps);
+  at::Tensor padded;                                     // INT4 inputs widened to whole groups
 
   auto norm = [&](const bf16* in, const at::Tensor& w, bool add) {
     check_bf16(w, "a norm weight");
-    TORCH_CHECK(w.numel() == hidden, "decode_step_bf16: a norm weight has ", w.numel(),
+    TORCH_CHECK(w.numel() == hidden, "decode_step: a norm weight has ", w.numel(),
                 " values, expected ", hidden);
     for (int64_t s = 0; s < S; ++s)
       add_rms_norm_row(in + s * hidden, res + s * hidden, add, w.data_ptr<bf16>(), e,
                        nrm + s * hidden, hidden);
   };
   for (int64_t l = 0; l < L; ++l) {
-    TORCH_CHECK(qkv[l].size(0) == q_size + 2 * kv_size, "decode_step_bf16: qkv[", l, "] has ",
-                qkv[l].size(0), " rows, expected ", q_size + 2 * kv_size);
+    TORCH_CHECK(qkv.rows(l) == q_size + 2 * kv_size, "decode_step: qkv[", l, "] has ",
+                qkv.rows(l), " rows, expected ", q_size + 2 * kv_size);
     // layer 0 normalizes the embeddings, which start the residual stream; later layers add first
     norm(l == 0 ? x.data_ptr<bf16>() : layer_out.data_ptr<bf16>(), in_norms[l], l > 0);
-    linear_bf16_into(normed, qkv[l], qkv_out);
+    qkv.run(l, normed, qkv_out, padded);
     const bf16* qp = qkv_out.data_ptr<bf16>();
     for (int64_t s = 0; s < S; ++s) {
       const bf16* row = qp + s * (q_size + 2 * kv_size);
@@ -189,16 +243,16 @@ at::Tensor decode_step_bf16(const at::Tensor& x, const at::Tensor& positions,
     at::Tensor kc = k_caches[l], vc = v_caches[l];
     paged_decode_write_into(q, k, v, kc, vc, slot_mapping, block_tables, seq_lens, block_size,
                             scale, attn3);
-    linear_bf16_into(attn, o[l], attn_proj);
+    o.run(l, attn, attn_proj, padded);
     norm(attn_proj.data_ptr<bf16>(), post_norms[l], true);
-    linear_bf16_into(normed, gate_up[l], gu);            // (S, 2 I): gate, then up
+    gate_up.run(l, normed, gu, padded);            // (S, 2 I): gate, then up
     for (int64_t s = 0; s < S; ++s)
       silu_mul_row(gu.data_ptr<bf16>() + s * 2 * I, h.data_ptr<bf16>() + s * I, I);
-    linear_bf16_into(h, down[l], layer_out);
+    down.run(l, h, layer_out, padded);
   }
   at::Tensor out = at::empty({S, hidden}, opts);
   check_bf16(final_norm, "final_norm");
-  TORCH_CHECK(final_norm.numel() == hidden, "decode_step_bf16: final_norm has ",
+  TORCH_CHECK(final_norm.numel() == hidden, "decode_step: final_norm has ",
               final_norm.numel(), " values, expected ", hidden);
   const bf16* last = L > 0 ? layer_out.data_ptr<bf16>() : x.data_ptr<bf16>();
   for (int64_t s = 0; s < S; ++s)
@@ -208,13 +262,13 @@ at::Tensor decode_step_bf16(const at::Tensor& x, const at::Tensor& positions,
 }
 
 TORCH_LIBRARY_FRAGMENT(workbench_cpu, m) {
-  m.def("decode_step_bf16(Tensor x, Tensor positions, Tensor[] in_norms, Tensor[] post_norms, "
+  m.def("decode_step(Tensor x, Tensor positions, Tensor[] in_norms, Tensor[] post_norms, "
         "Tensor[] qkv, Tensor[] o, Tensor[] gate_up, Tensor[] down, Tensor final_norm, Tensor cos, "
         "Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, int block_size, float eps, float scale, "
-        "int num_heads, int num_kv_heads) -> Tensor");
+        "int num_heads, int num_kv_heads, int weight_kind, int group_size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(workbench_cpu, CPU, m) {
-  m.impl("decode_step_bf16", &decode_step_bf16);
+  m.impl("decode_step", &decode_step);
 }

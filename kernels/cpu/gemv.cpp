@@ -185,13 +185,17 @@ void check_x(const at::Tensor& x, int64_t K) {
 }
 
 
+void check_y(const at::Tensor& y, const at::Tensor& x, int64_t M, int64_t N) {
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) == N && y.is_contiguous() &&
+              y.scalar_type() == x.scalar_type(), "y must be a contiguous (", M, ", ", N, ") tensor "
+              "of x's dtype, got ", y.sizes());
+}
+
 }  // namespace
 
 void linear_bf16_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
-  TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) == N && y.is_contiguous() &&
-              y.scalar_type() == x.scalar_type(), "y must be a contiguous (", M, ", ", N, ") tensor "
-              "of x's dtype, got ", y.sizes());
+  check_y(y, x, M, N);
   if (M > kMaxRows) {            // torch's GEMM: the kernel at::linear runs for a 2-D x, no bias
     at::mm_out(y, x, w.t());
     return;
@@ -212,15 +216,25 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
-at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+void linear_int8_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                      at::Tensor& y) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "x and w must be 2-D, got ", x.sizes(), " and ", w.sizes());
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+  check_y(y, x, M, N);
   // aten's kernel crashes (SIGSEGV, torch 2.13) on 2+ rows when K % 16 != 0; such shapes run
   // this loop two rows at a time instead.
-  if (M > kMaxRows && K % 16 == 0) return at::_weight_int8pack_mm(x, w, scale);
-  if (M > kMaxRows)
-    return at::cat({linear_int8(x.slice(0, 0, kMaxRows), w, scale),
-                    linear_int8(x.slice(0, kMaxRows, M), w, scale)});
+  if (M > kMaxRows && K % 16 == 0) {
+    y.copy_(at::_weight_int8pack_mm(x, w, scale));
+    return;
+  }
+  if (M > kMaxRows) {
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+      const int64_t m1 = std::min(M, m0 + kMaxRows);
+      at::Tensor part = y.slice(0, m0, m1);         // whole rows: contiguous
+      linear_int8_into(x.slice(0, m0, m1), w, scale, part);
+    }
+    return;
+  }
   check_x(x, K);
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kChar, "w must be contiguous int8");
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.is_contiguous() &&
@@ -229,26 +243,35 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   std::vector<float> xf(M * K);
   const bf16* xs = x.data_ptr<bf16>();
   for (int64_t i = 0; i < M * K; i++) xf[i] = float(xs[i]);
-  auto y = at::empty({M, N}, x.options());
   auto xp = xf.data(); auto wp = w.data_ptr<int8_t>();
   auto sp = scale.data_ptr<bf16>(); auto yp = y.data_ptr<bf16>();
   at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
     if (M == 1) int8_rows<1>(xp, wp, sp, yp, N, K, n0, n1);
     else int8_rows<2>(xp, wp, sp, yp, N, K, n0, n1);
   });
+}
+
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "x and w must be 2-D, got ", x.sizes(), " and ", w.sizes());
+  auto y = at::empty({x.size(0), w.size(0)}, x.options());
+  linear_int8_into(x, w, scale, y);
   return y;
 }
 
 // x (M, K) bf16 with K padded to whole groups; packed (N, K/2) uint8; scale, minimum (N, K/gs)
 // bf16. M > kMaxRows runs aten's kernel on its own layout of the same weights (aten_packed,
 // aten_scale_zero: Int4Linear._aten_pack), as the layer does without this kernel.
-at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                       const at::Tensor& minimum, int64_t group_size, const at::Tensor& aten_packed,
-                       const at::Tensor& aten_scale_zero) {
+void linear_int4_into(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                      const at::Tensor& minimum, int64_t group_size, const at::Tensor& aten_packed,
+                      const at::Tensor& aten_scale_zero, at::Tensor& y) {
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 2, "x and packed must be 2-D, got ", x.sizes(),
               " and ", packed.sizes());
   const int64_t M = x.size(0), N = packed.size(0), K = packed.size(1) * 2;
-  if (M > kMaxRows) return at::_weight_int4pack_mm_for_cpu(x, aten_packed, group_size, aten_scale_zero);
+  check_y(y, x, M, N);
+  if (M > kMaxRows) {
+    y.copy_(at::_weight_int4pack_mm_for_cpu(x, aten_packed, group_size, aten_scale_zero));
+    return;
+  }
   check_x(x, K);
   TORCH_CHECK(group_size > 0 && group_size % 128 == 0 && K % group_size == 0,
               "group_size must be a multiple of 128 dividing ", K, ", got ", group_size);
@@ -274,13 +297,21 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::
         }
       S[m * G + c / group_size] += sum;
     }
-  auto y = at::empty({M, N}, x.options());
   auto xpp = xr.data(); auto Sp = S.data(); auto wp = packed.data_ptr<uint8_t>();
   auto sp = scale.data_ptr<bf16>(); auto mp = minimum.data_ptr<bf16>(); auto yp = y.data_ptr<bf16>();
   at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
     if (M == 1) int4_rows<1>(xpp, Sp, wp, sp, mp, yp, N, K, group_size, n0, n1);
     else int4_rows<2>(xpp, Sp, wp, sp, mp, yp, N, K, group_size, n0, n1);
   });
+}
+
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                       const at::Tensor& minimum, int64_t group_size, const at::Tensor& aten_packed,
+                       const at::Tensor& aten_scale_zero) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 2, "x and packed must be 2-D, got ", x.sizes(),
+              " and ", packed.sizes());
+  auto y = at::empty({x.size(0), packed.size(0)}, x.options());
+  linear_int4_into(x, packed, scale, minimum, group_size, aten_packed, aten_scale_zero, y);
   return y;
 }
 

@@ -7,6 +7,15 @@
 // larger M torch's GEMM (gemv.cpp).
 void linear_bf16_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
 
+// The same for INT8 weight-only w (N, K) int8 with a bf16 scale per row, and for group-wise INT4
+// (packed (N, K/2) codes, scale and minimum (N, K/group_size), x padded to K; above 2 rows aten's
+// kernel on its own layout aten_packed / aten_scale_zero) (gemv.cpp).
+void linear_int8_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                      at::Tensor& y);
+void linear_int4_into(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                      const at::Tensor& minimum, int64_t group_size, const at::Tensor& aten_packed,
+                      const at::Tensor& aten_scale_zero, at::Tensor& y);
+
 // Write k, v (seqs, KVH, D) into the caches at slot_mapping, then attend each query (seqs, H, D) to
 // its sequence's cached positions, into out (like q) (paged_attention.cpp).
 void paged_decode_write_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -51,6 +51,13 @@ ENGINE_ROWS = {   # label -> LLM keyword arguments; each row adds one optimizati
                                  attention_backend="cpu", cpu_gemv=True),
     "engine compiled INT4": dict(dtype="bfloat16", compile=True, quantization="int4",
                                  attention_backend="cpu", cpu_gemv=True),
+    # The fused step over the INT8 / INT4 GEMV loops (the same C++ step, other weights).
+    "engine fused step INT8 + paged attn": dict(dtype="bfloat16", quantization="int8",
+                                                attention_backend="cpu", cpu_gemv=True,
+                                                fused_decode=True),
+    "engine fused step INT4 + paged attn": dict(dtype="bfloat16", quantization="int4",
+                                                attention_backend="cpu", cpu_gemv=True,
+                                                fused_decode=True),
 }
 HF_ROWS = {"transformers fp32": torch.float32, "transformers bf16": torch.bfloat16}
 LLAMA_ROW = "llama.cpp Q4_1"
@@ -65,6 +72,9 @@ def _build(rows: dict, model: str, threads: int, llama_cpp: bool = True):
     runners = {}
     gemv, why_not = available()
     for label, kwargs in rows.items():
+        if kwargs.get("fused_decode") and not gemv:
+            print(f"[speed] skipping row {label!r}: the CPU kernels cannot run here ({why_not})")
+            continue
         if kwargs.get("quantization") and not gemv:     # aten's kernels and "auto" attention
             kwargs = {**kwargs, "attention_backend": "auto", "cpu_gemv": False}
         if kwargs.get("cpu_gemv") and not gemv:

@@ -6,20 +6,22 @@ Data flow of a step the engine runs with `fused_decode=True`:
     runner.execute -> FusedDecodeForward(input_ids, positions, kv_caches, meta, backend)
       decode-only step (every sequence feeds one token), paged bf16 cache, C++ attention backend:
         embedding lookup (one torch op)
-        -> torch.ops.workbench_cpu.decode_step_bf16: for each layer, in C++,
+        -> torch.ops.workbench_cpu.decode_step: for each layer, in C++,
            add + RMSNorm -> QKV GEMV -> rotary -> write K/V + paged attention -> O GEMV
            -> add + RMSNorm -> gate/up GEMV -> SiLU x up -> down GEMV;   then the final norm
+           (the GEMVs are the layers' own: bf16, INT8 or INT4 weights, gemv.cpp)
       anything else (prefills, chunked or speculative steps, the layer-skip drafter): the inner
       forward, eager or compiled, unchanged
-    -> hidden states -> the LM head (GemvLinear) -> logits, as before
+    -> hidden states -> the LM head (its own GEMV layer) -> logits, as before
 
 Why a step is worth one call: after torch.compile a bf16 SmolLM2 decode step on the 2-core VM is
 ~12 ms, of which the GEMV loops reading the weights take ~9; most of the other ~3 ms is calling
 (~240 kernel calls from Inductor's Python wrapper, 30 attention calls through Python, size
 asserts), not arithmetic. The C++ loop does the same arithmetic with none of that.
 
-The module holds only references to the model's own parameters and rotary tables (no copies), so
-it costs no memory; the engine never edits its model after building it.
+The module holds only references to the model's own parameters, rotary tables and (INT4) the
+layout of the codes that aten's kernel reads, which the layers cache anyway: no copies, no memory;
+the engine never edits its model after building it.
 """
 from __future__ import annotations
 
@@ -29,19 +31,38 @@ import torch.nn.functional as F
 from ..attention.metadata import AttentionMetadata
 
 
+WEIGHT_KINDS = {"GemvLinear": 0, "Int8GemvLinear": 1, "Int4GemvLinear": 2}   # as decode_step.cpp
+
+
+def layer_tensors(layer, kind: int) -> list[torch.Tensor]:
+    """The tensors of one projection that decode_step.cpp reads (its `Projections`): the weight
+    (bf16); qweight and scale (INT8); the INT4 codes, scale, minimum and aten's layout of them."""
+    if kind == 0:
+        return [layer.weight]
+    if kind == 1:
+        return [layer.qweight, layer.scale]
+    aten_packed, _, aten_scale_zero = layer._aten_pack(torch.bfloat16)
+    return [layer.packed, layer.scale, layer.minimum, aten_packed, aten_scale_zero]
+
+
 def fused_decode_unsupported(model) -> str | None:
-    """Why this model cannot run the fused step (None if it can): it needs bf16 weights in plain
-    linear layers (no quantization, no experts) and a head size the attention kernel takes."""
-    from .cpu_gemv import GemvLinear
+    """Why this model cannot run the fused step (None if it can): its projections must all be one
+    of the GEMV layers (bf16, INT8 or INT4 with a group size of 128k, no experts), and its head
+    size one the attention kernel takes."""
     args = model.args
+    kinds = set()
     for i, layer in enumerate(model.layers):
         for name, mod in (("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
                           ("gate_up_proj", getattr(layer.mlp, "gate_up_proj", None)),
                           ("down_proj", getattr(layer.mlp, "down_proj", None))):
-            if not isinstance(mod, GemvLinear):
-                kind = type(mod).__name__ if mod is not None else "missing (experts?)"
-                return (f"layer {i}'s {name} is {kind}, and the fused step takes bf16 GemvLinear "
-                        "layers only (no quantization, no experts)")
+            kind = type(mod).__name__ if mod is not None else "missing (experts?)"
+            if kind not in WEIGHT_KINDS:
+                return (f"layer {i}'s {name} is {kind}, and the fused step takes the GEMV layers "
+                        f"({', '.join(WEIGHT_KINDS)}): bf16, INT8 or INT4 (group size a multiple "
+                        "of 128) weights, no experts")
+            kinds.add((kind, getattr(mod, "group_size", 0)))
+    if len(kinds) > 1:
+        return f"its projections mix layer kinds {sorted(kinds)}; the fused step takes one kind"
     if args.head_dim % 16:
         return f"head_dim={args.head_dim} is not a multiple of 16 (the paged attention kernel's)"
     return None
@@ -59,10 +80,14 @@ class FusedDecodeForward:
         layers = model.layers
         self.in_norms = [l.input_layernorm.weight for l in layers]
         self.post_norms = [l.post_attention_layernorm.weight for l in layers]
-        self.qkv = [l.self_attn.qkv_proj.weight for l in layers]
-        self.o = [l.self_attn.o_proj.weight for l in layers]
-        self.gate_up = [l.mlp.gate_up_proj.weight for l in layers]
-        self.down = [l.mlp.down_proj.weight for l in layers]
+        first = layers[0].self_attn.qkv_proj
+        self.weight_kind = WEIGHT_KINDS[type(first).__name__]
+        self.group_size = getattr(first, "group_size", 0)
+        k = self.weight_kind
+        self.qkv = [t for l in layers for t in layer_tensors(l.self_attn.qkv_proj, k)]
+        self.o = [t for l in layers for t in layer_tensors(l.self_attn.o_proj, k)]
+        self.gate_up = [t for l in layers for t in layer_tensors(l.mlp.gate_up_proj, k)]
+        self.down = [t for l in layers for t in layer_tensors(l.mlp.down_proj, k)]
         attn = layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.scale = attn.num_heads, attn.num_kv_heads, attn.scale
         self.eps = model.norm.eps
@@ -89,8 +114,8 @@ class FusedDecodeForward:
         m = self.model
         k_caches, v_caches = self._split(kv_caches)
         x = F.embedding(input_ids, m.embed_tokens.weight)
-        return torch.ops.workbench_cpu.decode_step_bf16(
+        return torch.ops.workbench_cpu.decode_step(
             x, positions, self.in_norms, self.post_norms, self.qkv, self.o, self.gate_up,
             self.down, m.norm.weight, m.rotary.cos, m.rotary.sin, k_caches, v_caches,
             meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.block_size, self.eps,
-            self.scale, self.num_heads, self.num_kv_heads)
+            self.scale, self.num_heads, self.num_kv_heads, self.weight_kind, self.group_size)
