@@ -105,3 +105,17 @@ def test_gpu_benchmark_plumbing_on_the_cpu():
         "offline": {"engine + CUDA graphs": {"tok_s": 1200.0},
                     "transformers static batches of 8": {"tok_s": 100.0}}}}}
     assert [(t["measured"], t["met"]) for t in gpu.targets(fake)] == [(12.0, True), (0.5, False)]
+
+
+def test_gemm_floor_counts_the_workload_and_times_both_paths():
+    """The floor of `python -m workbench.bench floor`: FLOPs counted from the requests (checked
+    by hand on two requests), rates measured for aten's and the prepacked path on a tiny shape."""
+    from workbench.bench import gemm_floor
+    cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, vocab_size=100)
+    proj = 2 * ((64 + 2 * 32) * 64 + 64 * 64 + 256 * 64 + 64 * 128)
+    flops = gemm_floor.workload_flops(cfg, [([1] * 5, 3), ([2] * 7, 1)])
+    assert flops["prefill_flop"] == 2 * proj * 12
+    assert flops["decode_flop"] == 2 * proj * 2 + 2 * 100 * 64 * 4
+    for packed in (False, True):
+        assert gemm_floor.gemm_rate(cfg, 4, packed, repeats=1) > 0

@@ -89,8 +89,8 @@ class EngineConfig:
     # sequence's rounding depend on how many rows share its step (see the README); None: on where
     # they can run (CPU, bf16, one process), True: insist.
     cpu_gemv: bool | None = False
-    # A decode-only step as one C++ call, every layer inside (models/fused_decode.py): bf16 weights,
-    # the GEMV kernels (cpu_gemv) and attention_backend="cpu"; other steps run as before.
+    # A decode-only step as one C++ call, every layer inside (models/fused_decode.py): bf16, INT8 or
+    # INT4 weights, the GEMV kernels (cpu_gemv) and attention_backend="cpu"; other steps as before.
     fused_decode: bool = False
     # Decode steps replayed from CUDA graphs captured at start for batch sizes 1, 2, 4, 8, 16, ...
     # up to max_num_seqs (models/cuda_graphs.py): device "cuda", the Triton attention backend.

@@ -13,6 +13,8 @@ spec:          speculative decoding: every drafter vs plain decoding on single-s
 speed:         the speed ladder (eager, compiled, bf16, INT8, INT4, transformers, llama.cpp),
                where a decode step's time goes, offline-mixed against both peers, and the
                performance targets met or not (python -m workbench.bench speed --help).
+floor:         offline-mixed's matmul floor: its FLOPs over this CPU's bf16 GEMM rate on the
+               model's shapes, aten's and prepacked (python -m workbench.bench floor --help).
 gpu:           (CUDA) batch-1 decode and offline-mixed, eager and with CUDA graphs, on random
                weights in SmolLM2-135M's and a 1B Llama's shapes, against transformers; the
                GPU targets met or not (python -m workbench.bench gpu --help).
@@ -43,6 +45,9 @@ def main(argv=None) -> None:
     if argv[:1] == ["spec"]:
         from . import spec
         return spec.main(argv[1:])
+    if argv[:1] == ["floor"]:
+        from . import gemm_floor
+        return gemm_floor.main(argv[1:])
     if argv[:1] == ["gpu"]:
         from . import gpu
         return gpu.main(argv[1:])
