@@ -58,10 +58,14 @@ class GraphedDecodeForward:
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.max_model_len, self.capture = max_model_len, capture
         bs, dev, rows = cache.block_size, cache.device, self.sizes[-1]
-        if not blocks.allocate(PADDING_OWNER, 0, 1):
+        # Straight from the pool (not blocks.allocate, which would reserve max_model_len's worth of
+        # blocks under kv_cache_layout="contiguous"); held in the manager's tables, so its
+        # invariants count it and the scheduler never hands it out.
+        if blocks.pool.num_available < 1:
             raise ValueError("cuda_graphs=True needs one free KV block for padding rows; "
                              "the pool has none")
-        self.scratch_block = blocks.tables[PADDING_OWNER][0]
+        self.scratch_block = blocks.pool.allocate()
+        blocks.tables[PADDING_OWNER] = [self.scratch_block]
         self.scratch_slot = self.scratch_block * bs
         max_blocks = -(-max_model_len // bs)
         long = dict(dtype=torch.int64, device=dev)
