@@ -58,9 +58,10 @@ def test_graph_batch_sizes():
 
 
 @needs_triton
-def test_padded_replays_give_the_unpadded_tokens(tiny_folder):
-    ref = make_llm(tiny_folder).generate(PROMPTS, params())
-    llm = make_llm(tiny_folder)
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_padded_replays_give_the_unpadded_tokens(tiny_folder, kv):
+    ref = make_llm(tiny_folder, kv_cache_dtype=kv).generate(PROMPTS, params())
+    llm = make_llm(tiny_folder, kv_cache_dtype=kv)
     g = graphed(llm)
     out = llm.generate(PROMPTS, params())
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
