@@ -24,6 +24,20 @@ def test_int8_round_trip_within_half_a_step():
     assert ((q.dequantize() - w).abs() <= step / 2 * 1.0001).all()
 
 
+def test_int8_in_row_chunks_equals_the_whole_matrix_at_once():
+    """quantize_int8 works through the rows in chunks (to bound its fp32 temporaries on a large
+    LM head); every row is quantized on its own, so chunking changes nothing, bit for bit."""
+    w = (torch.randn(37, 48) * torch.logspace(-2, 1, 37)[:, None]).to(torch.bfloat16)
+    whole = quantize_int8(w, rows_per_chunk=10**6)
+    for chunk in (1, 5, 36):
+        part = quantize_int8(w, rows_per_chunk=chunk)
+        assert torch.equal(part.qweight, whole.qweight) and torch.equal(part.scale, whole.scale)
+    reference_scale = (w.float().abs().amax(dim=1) / 127).clamp(min=1e-12)
+    assert torch.equal(whole.scale, reference_scale)
+    assert torch.equal(whole.qweight, torch.round(w.float() / reference_scale[:, None])
+                       .clamp(-127, 127).to(torch.int8))
+
+
 @pytest.mark.parametrize("in_features,group", [(128, 32), (576, 128), (70, 64)])
 def test_int4_round_trip_and_ragged_groups(in_features, group):
     torch.manual_seed(0)

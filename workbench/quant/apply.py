@@ -124,8 +124,10 @@ def quantize_model(model: LlamaModel, cfg: QuantConfig, calibration: list[list[i
     """Quantize `model` in place by `cfg.method`; calibrated methods need token windows."""
     dtype = model.embed_tokens.weight.dtype
     if cfg.method in ("int8", "int4"):
-        for _, owner, attr, linear in list(projections(model)):
-            setattr(owner, attr, rtn_layer(linear, cfg.method, cfg.group_size, dtype))
+        # Only (owner, name) pairs are listed up front, so each full-precision layer is freed as
+        # soon as its quantized replacement is in place, not all of them at the end.
+        for owner, attr in [(owner, attr) for _, owner, attr, _ in projections(model)]:
+            setattr(owner, attr, rtn_layer(getattr(owner, attr), cfg.method, cfg.group_size, dtype))
     else:
         if not calibration:
             raise ValueError(f"quantization={cfg.method!r} needs calibration windows")
