@@ -43,7 +43,7 @@ def params():
 def graphed(llm) -> GraphedDecodeForward:
     """Put a capture=False GraphedDecodeForward in front of the engine's forward."""
     e = llm.engine
-    g = GraphedDecodeForward(e.model, e.runner.forward_fn, e.cache, e.blocks, e.backend,
+    g = GraphedDecodeForward(e.runner.forward_fn, e.cache, e.blocks, e.backend,
                              max_num_seqs=e.config.max_num_seqs,
                              max_model_len=e.config.max_model_len, capture=False)
     e.runner.forward_fn = g

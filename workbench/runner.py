@@ -112,7 +112,7 @@ class ModelRunner:
             self.forward_fn = FusedDecodeForward(model, self.forward_fn)
         if cuda_graphs is not None:      # decode steps replayed from CUDA graphs (models/cuda_graphs.py)
             from .models.cuda_graphs import GraphedDecodeForward
-            self.forward_fn = GraphedDecodeForward(model, self.forward_fn, cache, blocks, backend,
+            self.forward_fn = GraphedDecodeForward(self.forward_fn, cache, blocks, backend,
                                                    **cuda_graphs)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

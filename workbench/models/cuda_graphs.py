@@ -52,9 +52,9 @@ class GraphedDecodeForward:
     """A drop-in for the runner's forward (same arguments, same result): decode-only steps replay
     a captured graph, everything else goes to `inner` (the eager model)."""
 
-    def __init__(self, model, inner, cache, blocks, backend, max_num_seqs: int,
-                 max_model_len: int, capture: bool = True):
-        self.model, self.inner, self.cache, self.backend = model, inner, cache, backend
+    def __init__(self, inner, cache, blocks, backend, max_num_seqs: int, max_model_len: int,
+                 capture: bool = True):
+        self.inner, self.cache, self.backend = inner, cache, backend
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.max_model_len, self.capture = max_model_len, capture
         bs, dev, rows = cache.block_size, cache.device, self.sizes[-1]
