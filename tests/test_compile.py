@@ -89,6 +89,28 @@ def test_frozen_weights_are_prepacked_and_give_the_same_tokens(tiny_folder, dtyp
     assert "mkldnn::_linear_pointwise" not in ops[False]
 
 
+def test_prepacked_lm_head_gives_the_same_logits(tiny_folder):
+    """With frozen weights the runner's LM head is oneDNN's matmul over a prepacked copy of the
+    weight: the same fp32 logits as the model's own head, bit for bit, at every row count the
+    engine asks for (none, one, a decode batch, a prefill chunk). bf16 only: an fp32 head stays
+    on aten."""
+    from workbench.models.compile import PrepackedLMHead
+    llm = LLM(model=str(tiny_folder), dtype="bfloat16", device="cpu",
+              verbose=False, max_model_len=64, compile=True, freeze_weights=True)
+    runner = llm.engine.runner
+    assert isinstance(runner.compute_logits, PrepackedLMHead)
+    hidden_size = runner.model.args.hidden_size
+    for rows in (0, 1, 7, 37, 300):
+        g = torch.Generator().manual_seed(rows)
+        hidden = torch.randn(rows, hidden_size, generator=g).bfloat16()
+        mine = runner.compute_logits(hidden)
+        assert mine.dtype == torch.float32 and mine.shape == (rows, runner.model.args.vocab_size)
+        assert torch.equal(mine, runner.model.compute_logits(hidden)), rows
+    unfrozen = LLM(model=str(tiny_folder), dtype="float32", device="cpu", verbose=False,
+                   max_model_len=64, compile=True)
+    assert not isinstance(unfrozen.engine.runner.compute_logits, PrepackedLMHead)
+
+
 @pytest.mark.parametrize("kwargs, field", [
     ({"compile": "yes"}, "compile='yes'"),
     ({"freeze_weights": True}, "freeze_weights=True is invalid with compile=False"),

@@ -80,6 +80,20 @@ def test_paged_decode_matches_float64_attention(shape, dtype):
     assert torch.equal(alone, out[2:3])
 
 
+@pytest.mark.parametrize("num_seqs", [1, 3, 9])
+def test_long_bf16_contexts_match_float64_attention(num_seqs):
+    """The bf16 row kernel past its prefetch distance (8 tiles of 16 positions) and across block
+    boundaries inside a tile (block size 8), with one task per (sequence, kv head) when the
+    sequences are fewer than twice the threads and one per sequence otherwise."""
+    q, kc, vc, tables, lens = random_case(num_seqs, 9, 3, 64, 8, torch.bfloat16, seed=num_seqs,
+                                          max_len=400)
+    lens[-1] = 400
+    out = torch.ops.workbench_cpu.paged_decode(q, kc, vc, tables, lens, 8, 0.125)
+    exact = exact_decode(q, kc, vc, tables, lens, 8, 0.125)
+    step = torch.exp2(torch.floor(torch.log2(exact.abs().clamp(min=1e-30))) - 7)
+    assert ((out.double() - exact).abs() <= step + 1e-5).all()
+
+
 def test_bad_input_names_what_is_wrong():
     q, kc, vc, tables, lens = random_case(2, 4, 2, 16, 4, torch.float32, seed=0)
     op = torch.ops.workbench_cpu.paged_decode

@@ -104,9 +104,12 @@ class ModelRunner:
         self.model, self.cache, self.blocks = model, cache, blocks
         self.backend, self.device = backend, device
         self.forward_fn = model          # or the compiled forward (compiles on its first call)
+        self.compute_logits = model.compute_logits
         if compile:
-            from .models.compile import CompiledForward
+            from .models.compile import CompiledForward, PrepackedLMHead
             self.forward_fn = CompiledForward(model, freeze=freeze_weights)
+            if freeze_weights and PrepackedLMHead.applies(model):   # the head runs outside
+                self.compute_logits = PrepackedLMHead(model.lm_head.weight)
         if fused_decode:                 # decode-only steps in one C++ call, the rest as above
             from .models.fused_decode import FusedDecodeForward
             self.forward_fn = FusedDecodeForward(model, self.forward_fn)
@@ -148,9 +151,9 @@ class ModelRunner:
             end += len(tokens)
             if end - 1 in wanted:
                 sample.append(i)
-        logits = self.model.compute_logits(hidden[step.logit_rows])
+        logits = self.compute_logits(hidden[step.logit_rows])
         prompt_lps = {}
         for i, (first, row0, count) in step.prompt_rows.items():
-            rows = self.model.compute_logits(hidden[row0:row0 + count])
+            rows = self.compute_logits(hidden[row0:row0 + count])
             prompt_lps[i] = (first, torch.log_softmax(rows, dim=-1))
         return ForwardOutput(sample, logits, prompt_lps)
