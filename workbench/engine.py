@@ -426,7 +426,11 @@ class LLMEngine:
         results = [None] * len(sampled)
         plain = [j for j, s in enumerate(sampled) if not s.spec_token_ids]
         if plain:
-            sample = self.sampler(logits[[rows[j] for j in plain]],
+            picked = [rows[j] for j in plain]
+            # Without drafts the rows are already in order: indexing would copy every logit
+            # (36 x 49152 fp32 = 7 MB a step at offline-mixed's mean batch) for nothing.
+            in_order = picked == list(range(len(logits)))
+            sample = self.sampler(logits if in_order else logits[picked],
                                   [sampled[j].params for j in plain],
                                   [sampled[j].generator for j in plain])
             for m, j in enumerate(plain):
