@@ -235,34 +235,34 @@ inline void prefetch_rows(const bf16* const rows[16], int64_t bytes) {
       _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + o, _MM_HINT_T1);
 }
 
+// The rows of the tile at t0, after prefetching the tile kPrefetchTiles ahead (at t0 = 0, also
+// every tile before that one: the walk starts with nothing in flight).
+inline void walk_tile(const bf16* cache, const int64_t* blocks, int64_t t0, int64_t L,
+                      int64_t block_size, int64_t row_stride, const bf16* rows[16]) {
+  const bf16* ahead[16];
+  const int64_t last = t0 + 16 * kPrefetchTiles;
+  for (int64_t t = t0 == 0 ? 0 : last; t <= last && t < L; t += 16) {
+    tile_rows(cache, blocks, t, L, block_size, row_stride, ahead);
+    prefetch_rows(ahead, row_stride * static_cast<int64_t>(sizeof(bf16)));
+  }
+  tile_rows(cache, blocks, t0, L, block_size, row_stride, rows);
+}
+
 // kG query heads per kv head, kDC = head_dim / 32 bf16 vectors per head.
 template <int kG, int kDC>
 TARGET void attend_rows_bf16(const bf16* q, const bf16* k_cache, const bf16* v_cache, bf16* out,
                              const int64_t* blocks, int64_t L, int64_t block_size, int64_t KVH,
                              int64_t h0, int64_t h1, float scale, std::vector<float>& buf) {
   constexpr int D = 32 * kDC;
-  const int64_t row_stride = KVH * D, row_bytes = row_stride * 2, nh = h1 - h0;
+  const int64_t row_stride = KVH * D, nh = h1 - h0;
   const int64_t Lpad = (L + 15) / 16 * 16;
   buf.resize(nh * kG * Lpad + nh * kG * D);
   float* scores = buf.data();                       // (nh * kG, Lpad)
   float* acc = scores + nh * kG * Lpad;             // (nh * kG, D), dims in even/odd order
   const bf16* rows[16];
-  const bf16* next[16];
   const __m512 vscale = _mm512_set1_ps(scale);
-  tile_rows(k_cache, blocks, 0, L, block_size, row_stride, next);
-  for (int64_t t = 0; t < 16 * kPrefetchTiles && t < L; t += 16) {   // the first tiles
-    const bf16* ahead[16];
-    tile_rows(k_cache, blocks, t, L, block_size, row_stride, ahead);
-    prefetch_rows(ahead, row_bytes);
-  }
   for (int64_t t0 = 0; t0 < L; t0 += 16) {          // scores, 16 positions at a time
-    std::copy(next, next + 16, rows);
-    tile_rows(k_cache, blocks, t0 + 16, L, block_size, row_stride, next);
-    {
-      const bf16* ahead[16];
-      tile_rows(k_cache, blocks, t0 + 16 * kPrefetchTiles, L, block_size, row_stride, ahead);
-      prefetch_rows(ahead, row_bytes);
-    }
+    walk_tile(k_cache, blocks, t0, L, block_size, row_stride, rows);
     const int n = static_cast<int>(std::min<int64_t>(16, L - t0));
     for (int64_t h = h0; h < h1; ++h)
       for (int g = 0; g < kG; ++g) {
@@ -287,20 +287,8 @@ TARGET void attend_rows_bf16(const bf16* q, const bf16* k_cache, const bf16* v_c
     std::fill(acc + i * D, acc + (i + 1) * D, 0.0f);
   }
   const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  tile_rows(v_cache, blocks, 0, L, block_size, row_stride, next);
-  for (int64_t t = 0; t < 16 * kPrefetchTiles && t < L; t += 16) {   // the first tiles
-    const bf16* ahead[16];
-    tile_rows(v_cache, blocks, t, L, block_size, row_stride, ahead);
-    prefetch_rows(ahead, row_bytes);
-  }
   for (int64_t t0 = 0; t0 < L; t0 += 16) {          // weighted sum of values
-    std::copy(next, next + 16, rows);
-    tile_rows(v_cache, blocks, t0 + 16, L, block_size, row_stride, next);
-    {
-      const bf16* ahead[16];
-      tile_rows(v_cache, blocks, t0 + 16 * kPrefetchTiles, L, block_size, row_stride, ahead);
-      prefetch_rows(ahead, row_bytes);
-    }
+    walk_tile(v_cache, blocks, t0, L, block_size, row_stride, rows);
     const int n = static_cast<int>(std::min<int64_t>(16, L - t0));
     for (int64_t h = h0; h < h1; ++h) {
       __m512 a[kG][2 * kDC];
