@@ -88,6 +88,23 @@ def kv_capacity(requests, budget_tokens: int, block_size: int, max_model_len: in
             / budget_tokens}
 
 
+def alternating_pairs(llm: LLM, hf, requests, pairs: int,
+                      batch_size: int = 8) -> list[tuple[dict, dict]]:
+    """`pairs` (engine run, transformers run) pairs, the engine first in even pairs and second in
+    odd ones. These VMs change speed by up to 20% from one minute to the next, so only the ratio
+    within a pair means anything, and alternating the order cancels a drift inside a pair."""
+    out = []
+    for i in range(pairs):
+        if i % 2 == 0:
+            e = engine_run(llm, requests)
+            h = hf_static_run(hf, requests, batch_size)
+        else:
+            h = hf_static_run(hf, requests, batch_size)
+            e = engine_run(llm, requests)
+        out.append((e, h))
+    return out
+
+
 def run(dtypes=("bfloat16",), repeats: int = 1, num_requests: int = 64, batch_size: int = 8,
         max_num_seqs: int = 64, model: str = "smollm2-135m", **_) -> dict:
     from transformers import AutoModelForCausalLM
@@ -102,9 +119,7 @@ def run(dtypes=("bfloat16",), repeats: int = 1, num_requests: int = 64, batch_si
                   max_num_seqs=max_num_seqs, max_num_batched_tokens=1024)
         hf = AutoModelForCausalLM.from_pretrained(str(llm.engine.checkpoint),
                                                   dtype=llm.engine.dtype).eval()
-        pairs = []
-        for _ in range(repeats):
-            pairs.append((engine_run(llm, requests), hf_static_run(hf, requests, batch_size)))
+        pairs = alternating_pairs(llm, hf, requests, repeats, batch_size)
         results["dtypes"][dtype] = {
             "engine_tok_s": statistics.median(e["tok_s"] for e, _ in pairs),
             "transformers_tok_s": statistics.median(h["tok_s"] for _, h in pairs),

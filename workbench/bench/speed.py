@@ -32,7 +32,7 @@ import torch
 from . import llamacpp
 from .anatomy import anatomy
 from .bandwidth import copy_bandwidth, decode_bytes_per_token
-from .offline_mixed import engine_run, hf_static_run, make_requests
+from .offline_mixed import alternating_pairs, engine_run, make_requests
 from .single_stream import PROMPT, engine_once, hf_once
 
 ENGINE_ROWS = {   # label -> LLM keyword arguments; each row adds one optimization to the last
@@ -190,12 +190,8 @@ def offline(model: str = "smollm2-135m", num_requests: int = 64, compile: bool =
     hf = AutoModelForCausalLM.from_pretrained(
         str(resolve_checkpoint(model)),
         dtype=torch.bfloat16).eval()
-    runs = {"engine": [], "transformers": []}
-    for i in range(pairs):
-        order = ("engine", "transformers") if i % 2 == 0 else ("transformers", "engine")
-        for name in order:
-            runs[name].append(engine_run(llm, requests) if name == "engine"
-                              else hf_static_run(hf, requests))
+    pair_runs = alternating_pairs(llm, hf, requests, pairs)
+    runs = {"engine": [e for e, _ in pair_runs], "transformers": [h for _, h in pair_runs]}
     del llm, hf
     out = {"num_requests": num_requests, "pairs": pairs,
            "ratio_pairs": [e["tok_s"] / h["tok_s"]
