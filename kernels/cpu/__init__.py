@@ -1,10 +1,19 @@
-"""Hand-written CPU kernels (C++, AVX-512): the batch-1 decode matmuls (gemv.cpp) and paged
-decode attention that reads K/V blocks in place (paged_attention.cpp).
+"""Hand-written CPU kernels (C++): the small-batch decode matmuls (gemv.cpp), paged decode attention
+that reads K/V blocks in place (paged_attention.cpp) and a whole decode step in one call
+(decode_step.cpp).
 
-They are compiled on first use with torch's extension builder (about 30 s on 2 cores, then cached
-under torch's extension folder) and registered as torch operators:
+One source, one build per instruction set. The sources are compiled with the flags of one ISA
+(`ISA_FLAGS`), with `CPU_CAPABILITY_*` defined as PyTorch defines it for its own kernels, so
+ATen's `at::vec::Vectorized<float>` is 16 lanes under AVX-512, 8 under AVX2 and 4 (NEON) or a
+plain array elsewhere. Only a few inner products are written per ISA (the BF16 dot product, INT4
+unpacking), behind `#if defined(WB_ISA_...)` in the sources. The ISA is chosen at run time from the
+CPU's flags (`best_isa()`); `WORKBENCH_ISA=avx2` forces a lower one (tests run the AVX2 build on an
+AVX-512 machine that way). Each ISA builds into its own library (workbench_cpu_<isa>, cached under
+torch's extension folder, about 30 s on 2 cores), and one process loads one of them.
 
-    torch.ops.workbench_cpu.linear_bf16(x, w)          x (M, K) bf16, w (N, K) bf16 -> (M, N)
+Registered as torch operators:
+
+    torch.ops.workbench_cpu.linear_bf16(x, w)          x (M, K), w (N, K) bf16 -> (M, N)
     torch.ops.workbench_cpu.linear_int8(x, w, scale)   w (N, K) int8, scale (N,) bf16: x @ w.T * scale
     torch.ops.workbench_cpu.linear_int4(x, packed, scale, minimum, group_size, aten_packed,
                                         aten_scale_zero)
@@ -18,20 +27,20 @@ under torch's extension folder) and registered as torch operators:
     torch.ops.workbench_cpu.decode_step(x, positions, in_norms, post_norms, qkv, o, gate_up, down,
                                         final_norm, cos, sin, k_caches, v_caches, ...,
                                         weight_kind, group_size)
-        a whole decode step of a Llama model (bf16 activations; bf16, INT8 or INT4 weights), every
-        layer in one call (models/fused_decode.py)
+        a whole decode step of a Llama model, every layer in one call (models/fused_decode.py)
 
-M <= 2 runs the hand-written loop (measured: it loses to torch's GEMM from 3 rows on); larger M
-goes to torch's kernel (aten's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu for INT8 /
-INT4). The operators have fake (shape-only) implementations, so torch.compile traces through them
-as opaque calls.
+x and the result are bf16 or fp32 (the activation dtype); the weights keep their own format.
+The operators have fake (shape-only) implementations, so torch.compile traces through them as
+opaque calls.
 
-`available()` says whether they can run here and, if not, why (no AVX-512 BF16, no compiler, a
-failed build); the engine then keeps torch's kernels and prints the reason.
+`available()` says whether they can run here and, if not, why (no compiler, a failed build); the
+engine then keeps torch's kernels and says so.
 """
 from __future__ import annotations
 
 import functools
+import os
+import platform
 import shutil
 from pathlib import Path
 
@@ -41,6 +50,22 @@ SOURCES = [Path(__file__).with_name(n) for n in ("gemv.cpp", "paged_attention.cp
                                                  "decode_step.cpp")]
 MAX_ROWS = 2          # must match kMaxRows in gemv.cpp
 
+# Best first. Each entry: the /proc/cpuinfo flags it needs and the compiler flags of its build.
+_X86 = ["-mfma", "-mf16c"]
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+ISA_FLAGS: dict[str, tuple[set[str], list[str]]] = {
+    "avx512bf16": ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma", "f16c"},
+                   _AVX512 + ["-mavx512bf16"] + _X86 + ["-DCPU_CAPABILITY=AVX512",
+                   "-DCPU_CAPABILITY_AVX512", "-DWB_ISA_AVX512", "-DWB_ISA_AVX512BF16"]),
+    "avx512": ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"},
+               _AVX512 + _X86 + ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512",
+                                 "-DWB_ISA_AVX512"]),
+    "avx2": ({"avx2", "fma", "f16c"},
+             ["-mavx2"] + _X86 + ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-DWB_ISA_AVX2"]),
+    # ARM (NEON through ATen's 128-bit Vectorized on aarch64) and any other CPU: portable code.
+    "default": (set(), ["-DCPU_CAPABILITY=DEFAULT", "-DWB_ISA_DEFAULT"]),
+}
+
 
 def cpu_flags() -> set[str]:
     """The CPU's feature flags from /proc/cpuinfo (empty where there is none, e.g. macOS)."""
@@ -49,27 +74,52 @@ def cpu_flags() -> set[str]:
     except OSError:
         return set()
     for line in text.splitlines():
-        if line.startswith("flags"):
+        if line.startswith(("flags", "Features")):
             return set(line.split(":", 1)[1].split())
     return set()
 
 
+def runnable_isas() -> list[str]:
+    """The builds this CPU can execute, best first ("default" always)."""
+    flags, x86 = cpu_flags(), platform.machine().lower() in ("x86_64", "amd64", "i686")
+    return [isa for isa, (needs, _) in ISA_FLAGS.items()
+            if isa == "default" or (x86 and needs <= flags)]
+
+
+def best_isa() -> str:
+    """The ISA whose build this process loads: WORKBENCH_ISA if set (it must be runnable here),
+    else the best one the CPU has."""
+    forced = os.environ.get("WORKBENCH_ISA")
+    runnable = runnable_isas()
+    if forced:
+        if forced not in runnable:
+            raise ValueError(f"WORKBENCH_ISA={forced!r} is invalid on this CPU: it can run "
+                             + ", ".join(runnable))
+        return forced
+    return runnable[0]
+
+
 @functools.lru_cache(maxsize=None)
 def _build() -> str | None:
-    """Build and load the operator once per process; None on success, else the reason."""
-    missing = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} - cpu_flags()
-    if missing:
-        return f"this CPU lacks {', '.join(sorted(missing))}"
+    """Build and load the operators once per process; None on success, else the reason."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
         return "no C++ compiler (c++/g++) on PATH"
+    isa = best_isa()
+    if isa != "avx512bf16":
+        return f"kernels/cpu has no {isa} code yet"
     try:
         from torch.utils.cpp_extension import load
         # -fopenmp: at::parallel_for in a header only splits work when compiled with OpenMP;
         # the library resolves to the libgomp torch already loaded (same soname).
-        load(name="workbench_cpu", sources=[str(p) for p in SOURCES], is_python_module=False,
-             extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        # -fvisibility=hidden: the inline ATen code compiled here with this ISA's flags stays
+        # inside this library, never resolving another library's calls.
+        load(name=f"workbench_cpu_{isa}", sources=[str(p) for p in SOURCES],
+             is_python_module=False, verbose=False,
+             extra_cflags=["-O3", "-fopenmp", "-fvisibility=hidden",
+                           "-fvisibility-inlines-hidden"] + ISA_FLAGS[isa][1],
+             extra_ldflags=["-fopenmp"])
     except Exception as e:           # a compiler error is a reason to fall back, not to crash
-        return f"building kernels/cpu failed: {str(e).splitlines()[0][:200]}"
+        return f"building kernels/cpu for {isa} failed: {str(e).splitlines()[0][:200]}"
     _register_fakes()
     return None
 
@@ -78,6 +128,12 @@ def available() -> tuple[bool, str]:
     """(True, "") when the kernels are loaded; (False, reason) otherwise. Builds on first call."""
     reason = _build()
     return reason is None, reason or ""
+
+
+def describe() -> str:
+    """One line: which build runs here, or why none does."""
+    ok, reason = available()
+    return f"kernels/cpu {best_isa()} build" if ok else f"kernels/cpu not used ({reason})"
 
 
 def _register_fakes() -> None:
