@@ -24,9 +24,29 @@ DEFAULT_MAX_MODEL_LEN = 1024
 
 
 def cpu_has_native_bf16() -> bool:
-    """True when the CPU multiplies bf16 natively (AVX-512 BF16 or AMX), where bf16 is the fast path."""
-    from kernels.cpu import cpu_flags
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+    """True when the CPU multiplies bf16 natively (AVX-512 BF16, which AMX machines also have, or
+    ARM's BF16 extension), where bf16 is the fast path; elsewhere torch emulates bf16 arithmetic
+    several times slower than fp32. WORKBENCH_ISA=avx2 makes an AVX-512 machine answer as an AVX2
+    one would."""
+    import platform
+    from kernels.cpu import best_isa, cpu_flags
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return "bf16" in cpu_flags()
+    return best_isa() == "avx512bf16"
+
+
+def onednn_bf16_prepack_reason() -> str | None:
+    """Why oneDNN cannot prepack bf16 weights on this CPU (None if it can): torch's
+    mkldnn_reorder_linear_weight needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT for bf16."""
+    import platform
+    from kernels.cpu import best_isa, cpu_flags
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    flags = cpu_flags()
+    if best_isa().startswith("avx512") or "avx_ne_convert" in flags:
+        return None
+    return ("oneDNN prepacks bf16 weights only on CPUs with AVX-512 (BW, VL, DQ) or "
+            "AVX-NE-CONVERT, and this one runs the " + best_isa() + " build")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -84,14 +104,19 @@ class EngineConfig:
     # prepacked for oneDNN once instead of reordered on every matmul call. Costs a second copy of
     # the weights in memory (the model keeps its own for the eager paths).
     freeze_weights: bool = False
-    # Hand-written AVX-512 BF16 matmuls for 1-2 row steps (kernels/cpu): bf16 layers, and INT8 / INT4
-    # (group size 128) quantized ones. Off by default: they make a
-    # sequence's rounding depend on how many rows share its step (see the README); None: on where
-    # they can run (CPU, bf16, one process), True: insist.
-    cpu_gemv: bool | None = False
+    # Results that do not depend on which other sequences share a step (vLLM's
+    # VLLM_BATCH_INVARIANT, SGLang's --enable-deterministic-inference): matmuls see a fixed minimum
+    # number of rows, attention runs each sequence on its own, and the kernels whose rounding
+    # depends on the row count (cpu_gemv, fused_decode) stay off (models/batch_invariant.py).
+    batch_invariant: bool = False
+    # Hand-written matmuls for 1-2 row steps (kernels/cpu): bf16 layers, and INT8 / INT4 (group
+    # size 128) quantized ones. None (the default): on where they can run (CPU, one process, not
+    # batch_invariant); True: insist; False: torch's kernels.
+    cpu_gemv: bool | None = None
     # A decode-only step as one C++ call, every layer inside (models/fused_decode.py): bf16, INT8 or
     # INT4 weights, the GEMV kernels (cpu_gemv) and attention_backend="cpu"; other steps as before.
-    fused_decode: bool = False
+    # None (the default): on where all of that holds; True: insist; False: off.
+    fused_decode: bool | None = None
     # Decode steps replayed from CUDA graphs captured at start for batch sizes 1, 2, 4, 8, 16, ...
     # up to max_num_seqs (models/cuda_graphs.py): device "cuda", the Triton attention backend.
     cuda_graphs: bool = False
@@ -139,9 +164,6 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is invalid: allowed are "
                              + ", ".join(repr(d) for d in KV_CACHE_DTYPES))
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend={self.attention_backend!r} is invalid: allowed "
-                             f"values are {', '.join(ATTENTION_BACKENDS)}")
         if self.num_threads is not None:
             _positive_int("num_threads", self.num_threads)
         if not isinstance(self.compile, bool):
@@ -152,10 +174,23 @@ class EngineConfig:
         if self.freeze_weights and not self.compile:
             raise ValueError("freeze_weights=True is invalid with compile=False: freezing is a step "
                              "of compilation; set compile=True")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant={self.batch_invariant!r} is invalid: allowed are "
+                             "True, False")
+        if self.batch_invariant and self.compile:
+            raise ValueError("compile=True is invalid with batch_invariant=True: compiled kernels "
+                             "may sum in another order for another token count; set compile=False")
+        if self.freeze_weights and self.torch_device.type == "cpu" \
+                and self.torch_dtype == torch.bfloat16:
+            why_not = onednn_bf16_prepack_reason()
+            if why_not:
+                raise ValueError(f"freeze_weights=True is invalid here for bf16: {why_not}; use "
+                                 "dtype='float32' or freeze_weights=False")
         if self.compile and self.world_size > 1:
             raise ValueError(f"compile=True is invalid with {self.world_size} worker processes: "
                              "compilation is for a single-process engine (tensor_parallel_size, "
                              "pipeline_parallel_size and expert_parallel_size must be 1)")
+        self._resolve_attention_backend()
         self._check_cpu_gemv()
         self._check_fused_decode()
         self._check_cuda_graphs()
@@ -217,6 +252,9 @@ class EngineConfig:
             why_not = f"they take bf16 activations and dtype is {self.torch_dtype}"
         elif self.world_size > 1:
             why_not = "the parallel workers keep torch's kernels"
+        elif self.batch_invariant:
+            why_not = ("batch_invariant=True: the loops round a 1-2-row step differently from "
+                       "torch's GEMM")
         if why_not is None and self.cpu_gemv is not False:
             from kernels.cpu import available
             ok, reason = available()
@@ -226,15 +264,27 @@ class EngineConfig:
         self.cpu_gemv_reason = why_not or ("switched off" if self.cpu_gemv is False else "")
         self.use_cpu_gemv = self.cpu_gemv is not False and why_not is None
 
+    def _resolve_attention_backend(self) -> None:
+        """"auto" on CPU is the C++ paged decode kernel where kernels/cpu builds, else torch's;
+        on CUDA the Triton kernels (attention/backends.py)."""
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} is invalid: allowed "
+                             f"values are {', '.join(ATTENTION_BACKENDS)}")
+        self.attention_reason = ""
+        if self.attention_backend == "auto" and self.torch_device.type == "cpu" \
+                and self.world_size == 1:
+            from kernels.cpu import available
+            ok, reason = available()
+            self.attention_backend = "cpu" if ok else "torch"
+            self.attention_reason = "" if ok else f"no C++ decode kernel: {reason}"
+
     def _check_fused_decode(self) -> None:
-        if not isinstance(self.fused_decode, bool):
-            raise ValueError(f"fused_decode={self.fused_decode!r} is invalid: allowed are True, False")
-        if not self.fused_decode:
-            return
+        if self.fused_decode is not None and not isinstance(self.fused_decode, bool):
+            raise ValueError(f"fused_decode={self.fused_decode!r} is invalid: allowed are None "
+                             "(auto), True, False")
         why_not = None
         if not self.use_cpu_gemv:
-            why_not = (f"it runs the GEMV kernels, and cpu_gemv={self.cpu_gemv!r} does not enable "
-                       f"them ({self.cpu_gemv_reason}); use cpu_gemv=None or True")
+            why_not = f"the GEMV kernels it runs are off (cpu_gemv: {self.cpu_gemv_reason})"
         elif self.attention_backend != "cpu":
             why_not = (f"it runs the C++ paged attention, and attention_backend="
                        f"{self.attention_backend!r}; use attention_backend='cpu'")
@@ -245,8 +295,12 @@ class EngineConfig:
         elif self.kv_cache_dtype != "auto":
             why_not = (f"it reads a cache in the model's dtype, and kv_cache_dtype="
                        f"{self.kv_cache_dtype!r}; use 'auto'")
-        if why_not:
+        if self.fused_decode is True and why_not:
             raise ValueError(f"fused_decode=True is invalid here: {why_not}")
+        # The engine may still turn an auto fused step off for a model it cannot take
+        # (models/fused_decode.py: fused_decode_unsupported).
+        self.fused_decode_reason = why_not or ("switched off" if self.fused_decode is False else "")
+        self.use_fused_decode = self.fused_decode is not False and why_not is None
 
     def _check_cuda_graphs(self) -> None:
         if not isinstance(self.cuda_graphs, bool):

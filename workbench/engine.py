@@ -66,7 +66,8 @@ class LLMEngine:
             self.executor = start_workers(config, self.checkpoint, self.model_args)
         else:
             self._load_model(config)
-        self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.backend = get_attention_backend(config.attention_backend, self.device,
+                                             config.batch_invariant)
         # Pipeline parallelism keeps one micro-batch per stage in flight, each from its own
         # scheduler over the shared block pool (parallel/pipeline.py).
         self.schedulers = [Scheduler(c, self.blocks) for c in self._micro_batch_configs()]
@@ -78,7 +79,7 @@ class LLMEngine:
         if self.model is not None:                  # a single-process engine runs its own model
             self.runner = ModelRunner(self.model, self.cache, self.blocks, self.backend,
                                       self.device, compile=config.compile,
-                                      fused_decode=config.fused_decode,
+                                      fused_decode=config.use_fused_decode,
                                       cuda_graphs=self._graph_settings(config),
                                       freeze_weights=config.freeze_weights)
         self.sampler = Sampler(config.seed)
@@ -112,6 +113,16 @@ class LLMEngine:
         if config.use_cpu_gemv:
             from .models.cpu_gemv import use_cpu_gemv
             use_cpu_gemv(self.model)
+        if config.use_fused_decode:
+            from .models.fused_decode import fused_decode_unsupported
+            why_not = fused_decode_unsupported(self.model)
+            if why_not and config.fused_decode is True:
+                raise ValueError(f"fused_decode=True is invalid for this model: {why_not}")
+            if why_not:
+                config.use_fused_decode, config.fused_decode_reason = False, why_not
+        if config.batch_invariant:
+            from .models.batch_invariant import make_batch_invariant
+            make_batch_invariant(self.model)
         self.cache = PagedKVCache(self.model_args, config.num_kv_blocks, config.block_size,
                                   self.dtype, self.device, config.num_cpu_blocks,
                                   kv_cache_dtype=config.kv_cache_dtype)

@@ -52,12 +52,8 @@ class LLM:
                    if e.executor is None else
                    f"weights on {e.executor.layout.describe()}, {e.device.type}{how}")
         kv = f", kv_cache_dtype={e.config.kv_cache_dtype}" if e.config.kv_cache_dtype != "auto" else ""
-        if e.config.use_cpu_gemv:
-            kv += ", matmuls: AVX-512 GEMV (kernels/cpu) for 1-2 rows"
-        elif e.config.cpu_gemv is None and e.device.type == "cpu":
-            kv += f", matmuls: torch (no GEMV: {e.config.cpu_gemv_reason})"
-        if e.config.fused_decode:
-            kv += ", decode steps: one C++ call (fused_decode)"
+        if e.device.type == "cpu" and e.executor is None:
+            kv += self._cpu_paths()
         if e.config.cuda_graphs:
             g = e.runner.forward_fn
             kv += (f", decode steps: CUDA graphs for batch sizes {g.sizes[0]}-{g.sizes[-1]} "
@@ -68,6 +64,23 @@ class LLM:
                 f"KV cache {e.kv_cache_bytes / 2**20:.0f} MiB = {e.kv_cache_tokens} tokens "
                 f"({e.config.num_kv_blocks} blocks of {e.config.block_size}, "
                 f"{e.config.kv_cache_layout})")
+
+    def _cpu_paths(self) -> str:
+        """Which fast CPU paths this engine takes, and why not the others."""
+        c = self.engine.config
+        from kernels.cpu import best_isa
+        parts = [f"matmuls: kernels/cpu {best_isa()} loops for 1-2 rows, torch above"
+                 if c.use_cpu_gemv else f"matmuls: torch (cpu_gemv off: {c.cpu_gemv_reason})",
+                 "decode steps: one C++ call (fused_decode)" if c.use_fused_decode else
+                 f"decode steps: layer by layer (fused_decode off: {c.fused_decode_reason})"]
+        if c.attention_reason:
+            parts.append(f"attention: torch ({c.attention_reason})")
+        if c.batch_invariant:
+            parts.append("batch_invariant: results independent of the batch")
+        if not c.compile:
+            parts.append("compile off (compile=True pays its first-step compilation back on long "
+                         "batched runs)")
+        return ", " + ", ".join(parts)
 
     def close(self) -> None:
         """Stop the worker processes of a parallel engine; the LLM cannot generate afterwards.

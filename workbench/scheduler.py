@@ -112,6 +112,12 @@ class Scheduler:
     def _tokens_for(self, seq: Sequence, budget: int, lookahead: bool = True) -> int:
         n = seq.num_uncomputed_tokens
         seq.num_lookahead = 0
+        if self.config.batch_invariant and n > 1:
+            # Chunks end at multiples of the step budget from the prompt's start, whatever else
+            # shares the step: a chunk that does not fit waits, rather than being cut elsewhere.
+            chunk = self.config.max_num_batched_tokens
+            n = min(n, chunk - seq.num_computed_tokens % chunk)
+            return n if n <= budget else 0
         if n <= budget:
             if lookahead and n == 1 and seq.output_token_ids:
                 seq.num_lookahead = self._lookahead(seq, budget - 1)

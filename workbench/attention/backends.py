@@ -38,11 +38,14 @@ from .torch_backend import TorchAttention
 BACKENDS = ("torch", "cpu", "triton")
 
 
-def get_attention_backend(name: str, device: torch.device):
+def get_attention_backend(name: str, device: torch.device, batch_invariant: bool = False):
+    """batch_invariant: each sequence attended on its own (the Triton decode kernel splits the
+    context by batch size, so "auto" takes the torch backend on CUDA then)."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" and _triton_available() else "torch"
+        name = ("triton" if device.type == "cuda" and _triton_available() and not batch_invariant
+                else "torch")
     if name == "torch":
-        return TorchAttention()
+        return TorchAttention(per_sequence=batch_invariant)
     if name == "cpu":
         if device.type != "cpu":
             raise ValueError(f"attention_backend='cpu' is invalid on device {device.type!r}: its "
@@ -51,7 +54,7 @@ def get_attention_backend(name: str, device: torch.device):
         ok, reason = available()
         if not ok:
             raise ValueError(f"attention_backend='cpu' is invalid here: {reason}; use 'torch'")
-        return TorchAttention(decode_kernel=True)
+        return TorchAttention(decode_kernel=True, per_sequence=batch_invariant)
     if name == "triton":
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"attention_backend='triton' on device {device.type!r} needs Triton's "

@@ -111,8 +111,11 @@ class TorchAttention:
 
     ops = TorchOps()
 
-    def __init__(self, decode_kernel: bool = False):
+    def __init__(self, decode_kernel: bool = False, per_sequence: bool = False):
         self.decode_kernel = decode_kernel
+        # per_sequence (batch_invariant=True): one group per sequence, so no sequence is padded
+        # to another's length and its sums are those it would have alone.
+        self.per_sequence = per_sequence
         self.name = "cpu" if decode_kernel else "torch"
 
     def kernel_fits(self, q: torch.Tensor) -> bool:
@@ -143,7 +146,9 @@ class TorchAttention:
         if prefilling:
             batches.append(prefilling)
         for subset in batches:
-            for part in split_by_length([meta.seq_lens_list[i] for i in subset]):
+            parts = ([[j] for j in range(len(subset))] if self.per_sequence else
+                     split_by_length([meta.seq_lens_list[i] for i in subset]))
+            for part in parts:
                 groups.append(self._group(meta, [subset[j] for j in part], starts, dev))
         return groups
 
