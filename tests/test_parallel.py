@@ -299,3 +299,20 @@ def test_aborting_a_request_whose_batch_is_in_the_pipeline(tiny_folder):
                 assert engine.pop_output(r).outputs[0].token_ids == want[i]
         assert engine.get_sequence(victim) is None
         assert llm.stats()["blocks_used"] == 0
+
+
+def test_a_script_without_a_main_guard_is_told_what_to_write(tiny_folder, tmp_path):
+    """Spawned workers import the script that started them; at top level it would start workers
+    again. Both the worker and the driver say what to write instead of multiprocessing's error."""
+    import subprocess
+    import sys
+    script = tmp_path / "noguard.py"
+    script.write_text(f"from workbench import LLM\n"
+                      f"llm = LLM(model={str(tiny_folder)!r}, dtype='float32', device='cpu', "
+                      f"verbose=False, tensor_parallel_size=2)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=240, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode != 0
+    assert 'if __name__ == "__main__":' in done.stderr
+    assert "importing the script that started it" in done.stderr      # the worker's own error
+    assert "bootstrapping phase" not in done.stderr

@@ -46,6 +46,21 @@ def _stop(store, next_step: int, procs) -> None:
             p.join(1)
 
 
+MAIN_GUARD_HINT = (
+    "Worker processes start by importing your __main__ module. In a script, build a parallel "
+    "LLM under a main guard:\n\n    if __name__ == \"__main__\":\n        llm = LLM(tensor_parallel_size=2)\n"
+    "        ...\n\n(notebooks and the Python prompt need nothing).")
+
+
+def refuse_start_while_bootstrapping() -> None:
+    """In a worker that is still importing the parent's __main__ (a script without a main guard
+    building a parallel LLM at top level), say so instead of multiprocessing's bootstrapping
+    error, which names nothing of ours (vLLM does the same)."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise RuntimeError("LLM(...) with parallel workers was called while a worker process was "
+                           "importing the script that started it.\n" + MAIN_GUARD_HINT)
+
+
 class DistributedExecutor:
     """Posts StepInputs to the workers and returns their outputs, in order."""
 
@@ -57,6 +72,7 @@ class DistributedExecutor:
             spec.store_host, spec.store_port = "127.0.0.1", _free_port()
             store = dist.TCPStore(spec.store_host, spec.store_port, None, True,
                                   timeout=timedelta(seconds=60), wait_for_workers=False)
+            refuse_start_while_bootstrapping()
             ctx = mp.get_context("spawn")      # fork would copy the notebook's threads and state
             self.procs = [ctx.Process(target=worker_main, args=(spec, r, os.getpid()),
                                       daemon=True, name=f"workbench-worker-{r}")
@@ -105,8 +121,11 @@ class DistributedExecutor:
         return self.store.get(key)
 
     def _wait_ready(self, timeout: float) -> None:
-        for r in range(self.layout.world_size):
-            self._wait(f"ready/{r}", timeout)
+        try:
+            for r in range(self.layout.world_size):
+                self._wait(f"ready/{r}", timeout)
+        except WorkerDied as e:
+            raise WorkerDied(f"{e}\n{MAIN_GUARD_HINT}") from None
 
     # ------------------------------------------------------------------ steps
     def submit(self, step) -> int:
