@@ -93,9 +93,9 @@ def test_prepacked_lm_head_gives_the_same_logits(tiny_folder):
     """With frozen weights the runner's LM head is oneDNN's matmul over a prepacked copy of the
     weight: the same fp32 logits as the model's own head, bit for bit, at every row count the
     engine asks for (none, one, a decode batch, a prefill chunk). bf16 only: an fp32 head stays
-    on aten."""
+    on aten. (cpu_gemv=False: the model's own head is then aten's at every row count.)"""
     from workbench.models.compile import PrepackedLMHead
-    llm = LLM(model=str(tiny_folder), dtype="bfloat16", device="cpu",
+    llm = LLM(model=str(tiny_folder), dtype="bfloat16", device="cpu", cpu_gemv=False,
               verbose=False, max_model_len=64, compile=True, freeze_weights=True)
     runner = llm.engine.runner
     assert isinstance(runner.compute_logits, PrepackedLMHead)
