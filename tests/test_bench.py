@@ -67,8 +67,8 @@ def test_speed_ladder_rows_and_targets_on_a_tiny_model(tiny_folder):
     """The ladder's plumbing (the speeds themselves are for `python -m workbench.bench speed`):
     every row runs, engine rows carry their bandwidth arithmetic, targets read from the results."""
     from workbench.bench import speed
-    rows = {"engine eager fp32": dict(dtype="float32"),
-            "engine compiled INT4": dict(dtype="bfloat16", quantization="int4")}
+    rows = {"engine eager fp32 (torch kernels)": speed.ENGINE_ROWS["engine eager fp32 (torch kernels)"],
+            "engine default INT4": speed.ENGINE_ROWS["engine default INT4"]}
     lad = speed.ladder(model=str(tiny_folder), new_tokens=8, repeats=1, rows=rows, llama_cpp=False)
     assert set(rows) | set(speed.HF_ROWS) <= set(lad["rows"])
     for label in rows:
@@ -79,10 +79,10 @@ def test_speed_ladder_rows_and_targets_on_a_tiny_model(tiny_folder):
     low, high = lad["copy_bandwidth_range_gbs"]
     assert low <= lad["copy_bandwidth_gbs"] <= high
     result = {"ladder": lad, "targets": []}
-    for name, read, bar in speed.TARGETS[:1]:
+    for name, read, bar, sense in speed.TARGETS[:1]:
         value = read(result)
         assert value is None                   # no llama.cpp row here: the target is skipped
-    assert "engine eager fp32" in speed.format_table(dict(result, targets=[]))
+    assert "engine eager fp32 (torch kernels)" in speed.format_table(dict(result, targets=[]))
 
 
 def test_gpu_benchmark_plumbing_on_the_cpu():

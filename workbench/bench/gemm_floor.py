@@ -2,7 +2,8 @@
 
 How fast could the engine serve offline-mixed on this CPU if everything but the matmuls were free?
 Count the workload's matmul FLOPs (the projections for every prompt token and every generated token
-fed back, the LM head once per generated token), measure this CPU's bf16 GEMM rate on the model's
+fed back, the LM head once per generated token), measure this CPU's GEMM rate (bf16 where native,
+else fp32) on the model's
 shapes at the batch sizes the run has (decode steps at its mean batch, prefill chunks at the token
 budget), and divide. Two GEMM paths are measured: aten's `F.linear` over the plain weight, and
 oneDNN's linear over a weight prepacked once (what `freeze_weights=True` compiles to).
@@ -43,13 +44,17 @@ def workload_flops(cfg: dict, requests) -> dict:
             "prompt_tokens": prompt, "output_tokens": generated}
 
 
-def gemm_rate(cfg: dict, rows: int, packed: bool, repeats: int = 5) -> float:
-    """GFLOP/s of one pass over every layer's projections and the LM head at `rows` rows, bf16."""
+def gemm_rate(cfg: dict, rows: int, packed: bool, repeats: int = 5,
+              dtype: torch.dtype | None = None) -> float:
+    """GFLOP/s of one pass over every layer's projections and the LM head at `rows` rows, in
+    `dtype` (default: bf16 where the CPU has it natively, where oneDNN also prepacks it; else fp32)."""
+    from ..config import cpu_has_native_bf16
+    dtype = dtype or (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
     torch.manual_seed(0)
     shapes = projection_shapes(cfg) * cfg["num_hidden_layers"]
     shapes.append((cfg["vocab_size"], cfg["hidden_size"]))
-    weights = [torch.randn(n, k, dtype=torch.bfloat16) * 0.02 for n, k in shapes]
-    xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in {k for _, k in shapes}}
+    weights = [torch.randn(n, k, dtype=dtype) * 0.02 for n, k in shapes]
+    xs = {k: torch.randn(rows, k, dtype=dtype) for k in {k for _, k in shapes}}
     if packed:
         prepacked = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
 
@@ -90,7 +95,7 @@ def format_table(r: dict) -> str:
     total = (r["prefill_flop"] + r["decode_flop"]) / 1e12
     lines = [f"offline-mixed ({r['num_requests']} requests, {r['prompt_tokens']:,} prompt and "
              f"{r['output_tokens']:,} output tokens) on {r['model']}: {total:.2f} TFLOP of matmuls; "
-             f"bf16 GEMM rates at {r['decode_rows']} rows (decode) and {r['prefill_rows']} "
+             f"GEMM rates at {r['decode_rows']} rows (decode) and {r['prefill_rows']} "
              f"(prefill), {r['threads']} threads", "",
              f"{'path':<22}{'decode GFLOP/s':>16}{'prefill GFLOP/s':>17}{'matmuls alone':>15}"
              f"{'floor tok/s':>13}"]

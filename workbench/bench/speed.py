@@ -1,27 +1,28 @@
 """The speed ladder: one row per optimization on the single-stream workload, and the targets.
 
+Every row runs in the activation dtype this machine computes natively (`ACT`: bf16 on CPUs with
+AVX-512 BF16, AMX or ARM BF16, fp32 elsewhere; bf16 rows are skipped where torch emulates it).
 Rows (batch 1, the single-stream prompt, greedy, `new_tokens` tokens), run round-robin in one
 process so that every row sees the same machine noise, `repeats` rounds, medians reported:
 
-    transformers generate()       fp32 and bf16: what a user has without an inference engine
-    engine, eager                 fp32, bf16 (torch's matmuls), bf16 + the AVX-512 GEMV kernels
-    engine, compiled              bf16 + GEMV, then + the C++ paged decode attention, INT8 weights,
-                                  INT4 weights (compile=True: models/compile.py; quantized layers
-                                  run the INT8/INT4 loops of kernels/cpu and decode attention the
-                                  C++ paged kernel, where they build)
-    engine, fused step            bf16 + GEMV + paged attention with every decode step one C++
-                                  call (fused_decode=True: models/fused_decode.py), not compiled
+    transformers generate()       fp32 (and bf16 where native): no inference engine
+    engine, torch kernels         fp32, then ACT: eager PyTorch, the reference
+    engine + GEMV                 ACT with the hand-written 1-2-row matmuls of kernels/cpu
+    engine + GEMV + paged attn    ... and the C++ paged decode attention
+    engine default                LLM(): ACT, the fused C++ decode step over both (what
+                                  `LLM()` picks here; models/fused_decode.py)
+    engine default INT8 / INT4    LLM(quantization="int8" / "int4")
+    engine batch_invariant        LLM(batch_invariant=True): the exact mode's batch-1 cost
     llama.cpp                     Q4_1 GGUF through llama-cpp-python, if installed
 
 Each row reports end-to-end tok/s (prefill included), decode tok/s, and the bandwidth it achieves:
 (weight bytes + KV bytes of the context) x decode tok/s, against the measured copy bandwidth.
 
-Then the offline-mixed workload: the engine (compiled bf16 with frozen, prepacked weights,
-continuous batching, decode attention in the C++ paged kernel of kernels/cpu where it builds:
-attention_backend="cpu") against
-transformers' generate() in static padded batches of 8 (two alternating pairs, the median of
-their ratios) and llama.cpp serving the requests one after another. Last, the issue's targets,
-each with what was measured and whether it was met.
+Then the offline-mixed workload with default settings: the engine (continuous batching) against
+transformers' generate() in static padded batches of 8 in ACT (alternating pairs, the median of
+their ratios), against llama.cpp serving the requests one after another, and the engine with
+batch_invariant=True against the default (alternating pairs). Last, the targets, each with what
+was measured and whether it was met; the JSON names the instruction set that ran.
 """
 from __future__ import annotations
 
@@ -29,38 +30,31 @@ import statistics
 
 import torch
 
+from ..config import cpu_has_native_bf16
 from . import llamacpp
 from .anatomy import anatomy
 from .bandwidth import copy_bandwidth, decode_bytes_per_token
 from .offline_mixed import alternating_pairs, engine_run, make_requests
 from .single_stream import PROMPT, engine_once, hf_once
 
+ACT = "bfloat16" if cpu_has_native_bf16() else "float32"
+_NAME = {"bfloat16": "bf16", "float32": "fp32"}[ACT]
+_TORCH = dict(cpu_gemv=False, fused_decode=False, attention_backend="torch")
 ENGINE_ROWS = {   # label -> LLM keyword arguments; each row adds one optimization to the last
-    "engine eager fp32": dict(dtype="float32"),
-    "engine eager bf16": dict(dtype="bfloat16", cpu_gemv=False),
-    "engine eager bf16 + GEMV": dict(dtype="bfloat16", cpu_gemv=True),
-    "engine compiled bf16 + GEMV": dict(dtype="bfloat16", compile=True, cpu_gemv=True),
-    "engine compiled bf16 + GEMV + paged attn": dict(dtype="bfloat16", compile=True,
-                                                     cpu_gemv=True, attention_backend="cpu"),
-    # The whole decode step as one C++ call (fused_decode); prefill eager: no compile at all.
-    "engine fused step bf16 + GEMV + paged attn": dict(dtype="bfloat16", cpu_gemv=True,
-                                                       attention_backend="cpu",
-                                                       fused_decode=True),
-    # The quantized rows keep the C++ paged attention and the INT8/INT4 loops (cpu_gemv) where
-    # they build; elsewhere attention "auto" and aten's INT8/INT4 kernels.
-    "engine compiled INT8": dict(dtype="bfloat16", compile=True, quantization="int8",
-                                 attention_backend="cpu", cpu_gemv=True),
-    "engine compiled INT4": dict(dtype="bfloat16", compile=True, quantization="int4",
-                                 attention_backend="cpu", cpu_gemv=True),
-    # The fused step over the INT8 / INT4 GEMV loops (the same C++ step, other weights).
-    "engine fused step INT8 + paged attn": dict(dtype="bfloat16", quantization="int8",
-                                                attention_backend="cpu", cpu_gemv=True,
-                                                fused_decode=True),
-    "engine fused step INT4 + paged attn": dict(dtype="bfloat16", quantization="int4",
-                                                attention_backend="cpu", cpu_gemv=True,
-                                                fused_decode=True),
+    "engine eager fp32 (torch kernels)": dict(dtype="float32", **_TORCH),
+    **({"engine eager bf16 (torch kernels)": dict(dtype="bfloat16", **_TORCH)}
+       if ACT == "bfloat16" else {}),
+    f"engine eager {_NAME} + GEMV": dict(dtype=ACT, cpu_gemv=True, fused_decode=False,
+                                        attention_backend="torch"),
+    f"engine eager {_NAME} + GEMV + paged attn": dict(dtype=ACT, cpu_gemv=True, fused_decode=False,
+                                                     attention_backend="cpu"),
+    "engine default": {},
+    "engine default INT8": dict(quantization="int8"),
+    "engine default INT4": dict(quantization="int4"),
+    "engine batch_invariant": dict(batch_invariant=True),
 }
-HF_ROWS = {"transformers fp32": torch.float32, "transformers bf16": torch.bfloat16}
+HF_ROWS = {"transformers fp32": torch.float32,
+           **({"transformers bf16": torch.bfloat16} if ACT == "bfloat16" else {})}
 LLAMA_ROW = "llama.cpp Q4_1"
 
 
@@ -73,16 +67,9 @@ def _build(rows: dict, model: str, threads: int, llama_cpp: bool = True):
     runners = {}
     gemv, why_not = available()
     for label, kwargs in rows.items():
-        if kwargs.get("fused_decode") and not gemv:
+        if (kwargs.get("cpu_gemv") or kwargs.get("attention_backend") == "cpu") and not gemv:
             print(f"[speed] skipping row {label!r}: the CPU kernels cannot run here ({why_not})")
             continue
-        if kwargs.get("quantization") and not gemv:     # aten's kernels and "auto" attention
-            kwargs = {**kwargs, "attention_backend": "auto", "cpu_gemv": False}
-        if kwargs.get("cpu_gemv") and not gemv:
-            print(f"[speed] skipping row {label!r}: the CPU kernels cannot run here ({why_not})")
-            continue
-        if kwargs.get("attention_backend") == "cpu" and not gemv:
-            kwargs = {**kwargs, "attention_backend": "auto"}
         llm = LLM(model=model, device="cpu", verbose=False, max_model_len=1024, **kwargs)
         runners[label] = ("engine", llm)
     checkpoint = llm.engine.checkpoint
@@ -150,73 +137,75 @@ def ladder(model: str = "smollm2-135m", new_tokens: int = 128, repeats: int = 3,
         if a not in runs or b not in runs:
             return None
         return statistics.median(x["tok_s"] / y["tok_s"] for x, y in zip(runs[a], runs[b]))
-    int4 = _fastest(out["rows"], "INT4")
-    out["int4_vs_llamacpp"] = ratio(int4, LLAMA_ROW) if int4 else None
-    out["gemv_vs_torch_bf16"] = ratio("engine eager bf16 + GEMV", "engine eager bf16")
-    out["best_bf16_row"] = _fastest(out["rows"], "bf16")
+    out["activation_dtype"] = ACT
+    out["int4_vs_llamacpp"] = ratio("engine default INT4", LLAMA_ROW)
+    out["default_vs_torch_kernels"] = ratio("engine default", f"engine eager {_NAME} (torch kernels)")
+    out["batch_invariant_vs_default"] = ratio("engine batch_invariant", "engine default")
     out["anatomy"] = {label: anatomy(runners[label][1], prompt_ids, 48)
-                      for label in ("engine eager bf16", out["best_bf16_row"]) if label in runs}
+                      for label in (f"engine eager {_NAME} (torch kernels)", "engine default")
+                      if label in runs}
     return out
 
 
-def _fastest(rows: dict, kind: str) -> str | None:
-    """The engine row of this kind ("bf16", "INT4") with the highest decode speed."""
-    mine = [k for k in rows if k.startswith("engine") and kind in k]
-    return max(mine, key=lambda k: rows[k]["decode_tok_s"]) if mine else None
+def offline(model: str = "smollm2-135m", num_requests: int = 64, pairs: int = 2) -> dict:
+    """offline-mixed with default settings: the engine (ACT, continuous batching, the fast CPU
+    paths LLM() picks) against transformers in static batches of 8 (ACT) and llama.cpp one
+    request after another, all on this process's threads; then batch_invariant=True against the
+    default engine.
 
-
-def offline(model: str = "smollm2-135m", num_requests: int = 64, compile: bool = True,
-            pairs: int = 2) -> dict:
-    """offline-mixed: the engine (bf16, continuous batching, the CPU paged decode kernel where it
-    builds) against transformers in static batches of 8 and llama.cpp one request after another,
-    all on this process's threads.
-
-    The engine and transformers run in `pairs` alternating pairs (engine first, then transformers
-    first, ...) and the ratio is the median of the pairs' ratios: this class of VM changes speed
-    by up to 20% from one minute to the next (run 13's copy bandwidth read 27-54 GB/s), and two
-    runs minutes apart would measure that, not the engine. "engine" and "transformers" keep the
-    first pair's run records, with tok_s the median over pairs and every run's tok_s listed."""
+    Each comparison runs in `pairs` alternating pairs (A first, then B first, ...) and its ratio is
+    the median of the pairs' ratios: a shared 2-core VM changes speed by up to 20% from one minute
+    to the next, so two runs minutes apart would measure that, not the engine. "engine" and
+    "transformers" keep the first pair's run records, with tok_s the median over pairs."""
     from transformers import AutoModelForCausalLM
 
-    from kernels.cpu import available
     from ..llm import LLM
     from ..models.loader import resolve_checkpoint
     requests = make_requests(num_requests)
-    backend = "cpu" if available()[0] else "torch"
-    llm = LLM(model=model, dtype="bfloat16", device="cpu", verbose=False, max_model_len=512,
-              max_num_seqs=64, max_num_batched_tokens=1024, compile=compile,
-              freeze_weights=compile, attention_backend=backend)
-    engine_run(llm, requests[:4])                            # warm-up (and compile)
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(resolve_checkpoint(model)),
-        dtype=torch.bfloat16).eval()
+    engine_args = dict(model=model, device="cpu", verbose=False, max_model_len=512,
+                       max_num_seqs=64, max_num_batched_tokens=1024)
+    llm = LLM(**engine_args)
+    engine_run(llm, requests[:4])                            # warm-up
+    hf = AutoModelForCausalLM.from_pretrained(str(resolve_checkpoint(model)),
+                                              dtype=getattr(torch, ACT)).eval()
     pair_runs = alternating_pairs(llm, hf, requests, pairs)
     runs = {"engine": [e for e, _ in pair_runs], "transformers": [h for _, h in pair_runs]}
-    del llm, hf
-    out = {"num_requests": num_requests, "pairs": pairs,
+    del hf
+    out = {"num_requests": num_requests, "pairs": pairs, "dtype": ACT,
+           "engine_paths": llm.describe(),
            "ratio_pairs": [e["tok_s"] / h["tok_s"]
                            for e, h in zip(runs["engine"], runs["transformers"])]}
     out["ratio_vs_transformers"] = statistics.median(out["ratio_pairs"])
     for name, rs in runs.items():
         out[name] = dict(rs[0], tok_s=statistics.median(r["tok_s"] for r in rs),
                          runs_tok_s=[r["tok_s"] for r in rs])
-    out["engine"]["attention_backend"] = backend
-    out["engine"]["freeze_weights"] = compile
+    exact = LLM(**engine_args, batch_invariant=True)
+    engine_run(exact, requests[:4])
+    ratios = []
+    for i in range(pairs):
+        order = [(exact, "exact"), (llm, "fast")][::1 if i % 2 == 0 else -1]
+        times = {name: engine_run(e, requests)["wall_s"] for e, name in order}
+        ratios.append(times["exact"] / times["fast"])
+    out["batch_invariant_time_ratio_pairs"] = ratios
+    out["batch_invariant_time_ratio"] = statistics.median(ratios)
+    del llm, exact
     llama = llamacpp.load(torch.get_num_threads())
     out["llama.cpp"] = llamacpp.run_sequential(llama, requests) if llama is not None else None
     return out
 
 
-TARGETS = [   # (name, how to read it from the results, the bar)
-    ("single-stream INT4 tok/s vs llama.cpp", lambda r: r["ladder"]["int4_vs_llamacpp"], 1.0),
-    ("single-stream bf16 decode, share of copy bandwidth",
-     lambda r: r["ladder"]["rows"][r["ladder"]["best_bf16_row"]]["fraction_of_copy_bandwidth"],
-     0.70),
+TARGETS = [   # (name, how to read it from the results, the bar, "min" or "max")
+    ("single-stream INT4 (default) tok/s vs llama.cpp", lambda r: r["ladder"]["int4_vs_llamacpp"],
+     1.0, "min"),
+    ("single-stream default decode, share of copy bandwidth",
+     lambda r: r["ladder"]["rows"]["engine default"]["fraction_of_copy_bandwidth"], 0.70, "min"),
     ("offline-mixed vs transformers static batches (pairs)",
-     lambda r: r["offline"]["ratio_vs_transformers"], 8.0),
+     lambda r: r["offline"]["ratio_vs_transformers"], 8.0, "min"),
     ("offline-mixed vs llama.cpp one by one",
      lambda r: (r["offline"]["engine"]["tok_s"] / r["offline"]["llama.cpp"]["tok_s"]
-                if r["offline"]["llama.cpp"] else None), 3.0),
+                if r["offline"]["llama.cpp"] else None), 3.0, "min"),
+    ("offline-mixed time, batch_invariant / default (pairs)",
+     lambda r: r["offline"]["batch_invariant_time_ratio"], 1.3, "max"),
 ]
 
 
@@ -226,13 +215,14 @@ def run(model: str = "smollm2-135m", new_tokens: int = 128, repeats: int = 3,
     if not skip_offline:
         result["offline"] = offline(model, num_requests)
     result["targets"] = []
-    for name, read, bar in TARGETS:
+    for name, read, bar, sense in TARGETS:
         try:
             value = read(result)
         except (KeyError, TypeError):
             value = None
-        result["targets"].append({"target": name, "measured": value, "bar": bar,
-                                  "met": None if value is None else value >= bar})
+        met = None if value is None else (value >= bar if sense == "min" else value <= bar)
+        result["targets"].append({"target": name, "measured": value, "bar": bar, "sense": sense,
+                                  "met": met})
     return result
 
 
@@ -259,23 +249,28 @@ def format_table(r: dict) -> str:
         o = r["offline"]
         lines += ["", f"offline-mixed ({o['num_requests']} requests): engine "
                   f"{o['engine']['tok_s']:.1f} tok/s (mean batch {o['engine']['mean_batch']:.1f}, "
-                  f"attention_backend={o['engine'].get('attention_backend', 'torch')!r}), "
+                  f"{o.get('dtype', '')}), "
                   f"transformers static batches of 8 {o['transformers']['tok_s']:.1f} tok/s "
                   f"(medians of {o.get('pairs', 1)} alternating pairs; ratio per pair "
                   + ", ".join(f"{x:.2f}x" for x in o.get("ratio_pairs", [])) + "), "
                   "llama.cpp one by one "
                   + (f"{o['llama.cpp']['tok_s']:.1f} tok/s" if o["llama.cpp"] else "skipped "
                      "(pip install llama-cpp-python)")]
+        if "batch_invariant_time_ratio" in o:
+            lines.append("batch_invariant=True takes " + ", ".join(
+                f"{x:.2f}x" for x in o["batch_invariant_time_ratio_pairs"])
+                + " the default's time (alternating pairs)")
     return "\n".join(lines + format_targets(r["targets"]))
 
 
 def format_targets(targets: list[dict]) -> list[str]:
     """The targets table: measured against the bar, met, not met, or skipped (None)."""
-    lines = ["", f"{'target':<52}{'measured':>10}{'bar':>8}  met"]
+    lines = ["", f"{'target':<56}{'measured':>10}{'bar':>9}  met"]
     for t in targets:
         m = "-" if t["measured"] is None else f"{t['measured']:.2f}"
         met = "skipped" if t["met"] is None else ("yes" if t["met"] else "NO")
-        lines.append(f"{t['target']:<52}{m:>10}{t['bar']:>8.2f}  {met}")
+        bar = ("<= " if t.get("sense") == "max" else ">= ") + f"{t['bar']:.2f}"
+        lines.append(f"{t['target']:<56}{m:>10}{bar:>9}  {met}")
     return lines
 
 
@@ -296,9 +291,13 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     result = run(args.model, args.new_tokens, args.repeats, args.num_requests, args.skip_offline)
     result["date"] = datetime.datetime.now().isoformat(timespec="seconds")
+    from kernels.cpu import best_isa, cpu_flags
     result["machine"] = {"processor": platform.processor() or platform.machine(),
                          "cores": os.cpu_count(), "torch": torch.__version__,
-                         "python": platform.python_version()}
+                         "python": platform.python_version(), "kernels_isa": best_isa(),
+                         "native_bf16": cpu_has_native_bf16(),
+                         "isa_flags": sorted(f for f in cpu_flags() if f.startswith(("avx", "amx",
+                                                                                      "fma", "f16c")))}
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:

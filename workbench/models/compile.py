@@ -185,7 +185,8 @@ class PrepackedLMHead:
         """A plain (unquantized) bf16 head on a CPU whose torch has oneDNN. (fp32 heads stay on
         aten: there torch's own GEMM differs from oneDNN's in rounding at some row counts, and
         the gain was measured for bf16 only.)"""
+        from ..config import onednn_bf16_prepack_reason
         w = getattr(model.lm_head, "weight", None)
         return (isinstance(model.lm_head, torch.nn.Linear) and w is not None
                 and w.device.type == "cpu" and w.dtype == torch.bfloat16
-                and torch.backends.mkldnn.is_available())
+                and torch.backends.mkldnn.is_available() and onednn_bf16_prepack_reason() is None)
