@@ -27,7 +27,7 @@ SMALL = dict(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermed
 @pytest.fixture(scope="module")
 def llm():
     # max_num_seqs=16: all the prompts of one generate call decode together (2x faster on CPU).
-    return LLM(model="smollm2-135m", dtype="bfloat16", device="cpu", verbose=False,
+    return LLM(model="smollm2-135m", dtype="auto", device="cpu", verbose=False,
                max_model_len=256, max_num_seqs=16)
 
 
