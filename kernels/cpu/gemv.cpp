@@ -49,12 +49,23 @@ using wb::Vec;
 
 constexpr int64_t kMaxRows = 2;        // bf16 x: M up to this runs the loops (measured crossover)
 constexpr int64_t kGrain = 32;         // weight rows per thread task, at least
-// fp32 x: the loops run up to these many rows, torch's kernels above (see linear_*_into).
-constexpr int64_t kMaxRowsFp32Dense = 8;
-constexpr int64_t kMaxRowsFp32Int8 = 8;
-constexpr int64_t kMaxRowsFp32Int4 = 8;
-constexpr int64_t kTileDense = 4;      // rows per pass over the weights (bf16/fp32/int8 loops)
-constexpr int64_t kTileInt4 = 2;       // rows per pass over the codes (INT4 loop)
+constexpr int64_t kBlock = 64;         // weight rows per block, read by every tile of x while in L2
+// fp32 x: the loops run up to these many rows; above, the weight widened to fp32 once and torch's
+// GEMM. (aten's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu take fp32 x in torch 2.13 but
+// ran 20-60x slower than these loops at every M from 1 to 128, so fp32 x never goes to them.)
+// Loop vs widen-and-GEMM, 1 thread, gate_up / down (python /tmp/rows_bench.py, the loop limits
+// raised): bf16 w at M=64 1.03x / 1.08x on AVX2, 1.51x / 1.77x on AVX-512 (M=128 AVX2 0.96x);
+// fp32 w at M=32 0.90x / 1.01x on AVX2, at M=64 1.44x / 1.55x on AVX-512; int8 at M=64 1.19x /
+// 1.17x on AVX2, int4 1.58x+.
+constexpr int64_t kMaxRowsFp32Bf16 = 64;
+#if defined(WB_ISA_AVX512)
+constexpr int64_t kMaxRowsFp32Fp32 = 64;
+#else
+constexpr int64_t kMaxRowsFp32Fp32 = 16;
+#endif
+constexpr int64_t kMaxRowsFp32Quant = 64;
+constexpr int64_t kTileDense = 4;      // rows of x per pass over a block (bf16/fp32/int8 loops)
+constexpr int64_t kTileInt4 = 2;       // rows of x per pass over a block (INT4 loop)
 
 template <int R>
 using Rows = std::integral_constant<int, R>;
@@ -71,6 +82,13 @@ void for_tiles(int64_t M, const Fn& fn) {
       else fn(Rows<4>{}, m0);
     }
   }
+}
+
+// Calls fn(b0, b1) for blocks of kBlock weight rows in [n0, n1): every tile of x reads a block
+// while it is in L2, so the weights stream from memory once per call whatever M is.
+template <class Fn>
+void for_blocks(int64_t n0, int64_t n1, const Fn& fn) {
+  for (int64_t b0 = n0; b0 < n1; b0 += kBlock) fn(b0, std::min(n1, b0 + kBlock));
 }
 
 inline Vec load_w(const float* p) { return wb::load_fp32(p); }
@@ -141,12 +159,14 @@ void dense_linear(const at::Tensor& x, const T* w, const S* scale, at::Tensor& y
   with_y(y, [&](auto* yp) {
     using Y = std::remove_pointer_t<decltype(yp)>;
     at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
-      for_tiles<kTileDense>(M, [&](auto rows, int64_t m0) {
-        Y* yt = yp + m0 * N;
-        auto finish = [&](int m, int64_t n, float sum) {
-          yt[m * N + n] = static_cast<Y>(scale ? sum * static_cast<float>(scale[n]) : sum);
-        };
-        dense_rows<decltype(rows)::value>(xf + m0 * K, w, K, n0, n1, finish);
+      for_blocks(n0, n1, [&](int64_t b0, int64_t b1) {
+        for_tiles<kTileDense>(M, [&](auto rows, int64_t m0) {
+          Y* yt = yp + m0 * N;
+          auto finish = [&](int m, int64_t n, float sum) {
+            yt[m * N + n] = static_cast<Y>(scale ? sum * static_cast<float>(scale[n]) : sum);
+          };
+          dense_rows<decltype(rows)::value>(xf + m0 * K, w, K, b0, b1, finish);
+        });
       });
     });
   });
@@ -439,7 +459,7 @@ void linear_fp32_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   check_y(y, x, M, N);
   TORCH_CHECK(x.scalar_type() == at::kFloat, "fp32 w needs fp32 x, got ", x.scalar_type());
-  if (M > kMaxRowsFp32Dense) {
+  if (M > kMaxRowsFp32Fp32) {
     at::mm_out(y, x, w.t());
     return;
   }
@@ -458,7 +478,7 @@ void linear_bf16_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
     at::mm_out(y, x, w.t());
     return;
   }
-  if (fp32 && M > kMaxRowsFp32Dense) {   // prefill: w widened once, then torch's fp32 GEMM
+  if (fp32 && M > kMaxRowsFp32Bf16) {   // prefill: w widened once, then torch's fp32 GEMM
     at::mm_out(y, x, w.to(at::kFloat).t());
     return;
   }
@@ -493,10 +513,14 @@ void linear_int8_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   check_2d(x, w, "w");
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   check_y(y, x, M, N);
-  const int64_t max_rows = x.scalar_type() == at::kFloat ? kMaxRowsFp32Int8 : kMaxRows;
+  const bool fp32 = x.scalar_type() == at::kFloat;
+  if (fp32 && M > kMaxRowsFp32Quant) {   // prefill: w widened and scaled once, torch's fp32 GEMM
+    at::mm_out(y, x, (w.to(at::kFloat) * scale.to(at::kFloat).unsqueeze(1)).t());
+    return;
+  }
   // aten's kernel crashes (SIGSEGV, torch 2.13) on 2+ rows when K % 16 != 0; such shapes run
   // the loop, tiled.
-  if (M > max_rows && K % 16 == 0) {
+  if (!fp32 && M > kMaxRows && K % 16 == 0) {
     y.copy_(at::_weight_int8pack_mm(x, w, as_x_dtype(scale, x)));
     return;
   }
@@ -543,29 +567,52 @@ void int4_loop(const at::Tensor& x, const uint8_t* w, const Sc* scale, const Sc*
   with_y(y, [&](auto* yp) {
     using Y = std::remove_pointer_t<decltype(yp)>;
     at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
-      for_tiles<kTileInt4>(M, [&](auto rows, int64_t m0) {
-        Y* yt = yp + m0 * N;
-        auto finish = [&](int m, int64_t n, float sum) { yt[m * N + n] = static_cast<Y>(sum); };
-        int4_rows<decltype(rows)::value>(xp, m0, w, scale, minimum, K, gs, n0, n1, finish);
+      for_blocks(n0, n1, [&](int64_t b0, int64_t b1) {
+        for_tiles<kTileInt4>(M, [&](auto rows, int64_t m0) {
+          Y* yt = yp + m0 * N;
+          auto finish = [&](int m, int64_t n, float sum) { yt[m * N + n] = static_cast<Y>(sum); };
+          int4_rows<decltype(rows)::value>(xp, m0, w, scale, minimum, K, gs, b0, b1, finish);
+        });
       });
     });
   });
 }
 
+// The (N, K) fp32 weight q * scale + minimum, for fp32 x above the loop's rows.
+template <class Sc>
+at::Tensor int4_weight_fp32(const uint8_t* w, const Sc* scale, const Sc* minimum, int64_t N,
+                            int64_t K, int64_t gs) {
+  at::Tensor out = at::empty({N, K}, at::kFloat);
+  float* o = out.data_ptr<float>();
+  const int64_t G = K / gs;
+  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++)
+      for (int64_t g = 0; g < G; g++) {
+        const float sc = static_cast<float>(scale[n * G + g]), mn = static_cast<float>(minimum[n * G + g]);
+        for (int64_t k = g * gs; k < (g + 1) * gs; k += 2) {
+          const uint8_t b = w[(n * K + k) / 2];
+          o[n * K + k] = static_cast<float>(b & 0xF) * sc + mn;
+          o[n * K + k + 1] = static_cast<float>(b >> 4) * sc + mn;
+        }
+      }
+  });
+  return out;
+}
+
 }  // namespace
 
 // x (M, K) bf16 or fp32 with K padded to whole groups; packed (N, K/2) uint8; scale, minimum
-// (N, K/gs) bf16 or fp32. Above the loop's rows, aten's kernel on its own layout of the same
-// weights (aten_packed, aten_scale_zero: Int4Linear._aten_pack), as the layer does without this
-// kernel.
+// (N, K/gs) bf16 or fp32. bf16 x above the loop's rows runs aten's kernel on its own layout of the
+// same weights (aten_packed, aten_scale_zero: Int4Linear._aten_pack), as the layer does without
+// this kernel; fp32 x there, torch's fp32 GEMM on the widened weight.
 void linear_int4_into(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                       const at::Tensor& minimum, int64_t group_size, const at::Tensor& aten_packed,
                       const at::Tensor& aten_scale_zero, at::Tensor& y) {
   check_2d(x, packed, "packed");
   const int64_t M = x.size(0), N = packed.size(0), K = packed.size(1) * 2;
   check_y(y, x, M, N);
-  const int64_t max_rows = x.scalar_type() == at::kFloat ? kMaxRowsFp32Int4 : kMaxRows;
-  if (M > max_rows) {
+  const bool fp32 = x.scalar_type() == at::kFloat;
+  if (!fp32 && M > kMaxRows) {
     y.copy_(at::_weight_int4pack_mm_for_cpu(
         x, aten_packed, group_size, aten_scale_zero_for(x, scale, minimum, aten_scale_zero)));
     return;
@@ -582,10 +629,16 @@ void linear_int4_into(const at::Tensor& x, const at::Tensor& packed, const at::T
                 "scale and minimum must be contiguous (", N, ", ", G, ") tensors, both bf16 or "
                 "both fp32, got ", t->sizes(), " ", t->scalar_type());
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  if (scale.scalar_type() == at::kFloat)
-    int4_loop(x, wp, scale.data_ptr<float>(), minimum.data_ptr<float>(), group_size, y);
-  else
-    int4_loop(x, wp, scale.data_ptr<bf16>(), minimum.data_ptr<bf16>(), group_size, y);
+  const bool wide = fp32 && M > kMaxRowsFp32Quant;   // prefill: w widened once, torch's GEMM
+  if (scale.scalar_type() == at::kFloat) {
+    const float *sp = scale.data_ptr<float>(), *mp = minimum.data_ptr<float>();
+    if (wide) at::mm_out(y, x, int4_weight_fp32(wp, sp, mp, N, K, group_size).t());
+    else int4_loop(x, wp, sp, mp, group_size, y);
+  } else {
+    const bf16 *sp = scale.data_ptr<bf16>(), *mp = minimum.data_ptr<bf16>();
+    if (wide) at::mm_out(y, x, int4_weight_fp32(wp, sp, mp, N, K, group_size).t());
+    else int4_loop(x, wp, sp, mp, group_size, y);
+  }
 }
 
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
