@@ -53,10 +53,11 @@ constexpr int64_t kBlock = 64;         // weight rows per block, read by every t
 // fp32 x: the loops run up to these many rows; above, the weight widened to fp32 once and torch's
 // GEMM. (aten's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu take fp32 x in torch 2.13 but
 // ran 20-60x slower than these loops at every M from 1 to 128, so fp32 x never goes to them.)
-// Loop vs widen-and-GEMM, 1 thread, gate_up / down (python /tmp/rows_bench.py, the loop limits
-// raised): bf16 w at M=64 1.03x / 1.08x on AVX2, 1.51x / 1.77x on AVX-512 (M=128 AVX2 0.96x);
-// fp32 w at M=32 0.90x / 1.01x on AVX2, at M=64 1.44x / 1.55x on AVX-512; int8 at M=64 1.19x /
-// 1.17x on AVX2, int4 1.58x+.
+// Loop vs widen-and-GEMM, 1 thread, gate_up / down (python -m kernels.cpu.bench --x fp32 --vs
+// widened --rows 64 --shapes gate_up,down --threads 1, these limits raised): bf16 w at M=64 1.03x /
+// 1.08x on AVX2 (0.96x at 128), 1.51x / 1.77x on AVX-512; fp32 w at M=16 1.35x / 1.19x and at
+// M=32 0.90x / 1.01x on AVX2, at M=64 1.44x / 1.55x on AVX-512; int8 at M=64 1.19x / 1.17x on
+// AVX2, 2.1x on AVX-512; int4 1.6x-3.9x.
 constexpr int64_t kMaxRowsFp32Bf16 = 64;
 #if defined(WB_ISA_AVX512)
 constexpr int64_t kMaxRowsFp32Fp32 = 64;
@@ -269,8 +270,11 @@ void prepare_int4_x(const X* x, int64_t M, int64_t K, int64_t gs, bool as_int16,
       if (as_int16) {
         const float inv = amax > 0.f ? 32767.f / amax : 0.f;
         out.xs[m * C + c] = amax / 32767.f;
-        for (int i = 0; i < kChunk; i++)
-          out.q[m * K + c * kChunk + i] = static_cast<int16_t>(std::nearbyint(v[i] * inv));
+        int16_t* q = out.q.data() + m * K + c * kChunk;
+        for (int i = 0; i < kChunk; i++) {   // to nearest, in a loop the compiler vectorizes
+          const float r = v[i] * inv;        // (std::nearbyint, a libm call: 3 us a call at K=576)
+          q[i] = static_cast<int16_t>(r + (r >= 0.f ? 0.5f : -0.5f));
+        }
       }
 #if defined(WB_ISA_AVX512BF16)
       else {
