@@ -52,9 +52,10 @@ constexpr int64_t kGrain = 32;         // weight rows per thread task, at least
 constexpr int64_t kBlock = 64;         // weight rows per block, read by every tile of x while in L2
 // fp32 x: the loops run up to these many rows; above, the weight widened to fp32 once and torch's
 // GEMM. (aten's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu take fp32 x in torch 2.13 but
-// ran 20-60x slower than these loops at every M from 1 to 128, so fp32 x never goes to them.)
+// ran 14-90x slower than these loops at every M from 1 to 64, so fp32 x never goes to them.)
 // Loop vs widen-and-GEMM, 1 thread, gate_up / down (python -m kernels.cpu.bench --x fp32 --vs
-// widened --rows 64 --shapes gate_up,down --threads 1, these limits raised): bf16 w at M=64 1.03x /
+// widened --rows 16,32,64,128 --shapes gate_up,down --threads 1, these limits raised to 128,
+// before kBlock): bf16 w at M=64 1.03x /
 // 1.08x on AVX2 (0.96x at 128), 1.51x / 1.77x on AVX-512; fp32 w at M=16 1.35x / 1.19x and at
 // M=32 0.90x / 1.01x on AVX2, at M=64 1.44x / 1.55x on AVX-512; int8 at M=64 1.19x / 1.17x on
 // AVX2, 2.1x on AVX-512; int4 1.6x-3.9x.
@@ -252,8 +253,10 @@ struct Int4X {
 #endif
 };
 
+// x (M, Kx) with Kx <= K: the columns from Kx to K (the weight's padding to whole groups) read 0.
 template <class X>
-void prepare_int4_x(const X* x, int64_t M, int64_t K, int64_t gs, bool as_int16, Int4X& out) {
+void prepare_int4_x(const X* x, int64_t M, int64_t Kx, int64_t K, int64_t gs, bool as_int16,
+                    Int4X& out) {
   const int64_t C = K / kChunk, G = K / gs;
   if (as_int16) { out.q.resize(M * K); out.xs.resize(M * C); }
 #if defined(WB_ISA_AVX512BF16)
@@ -262,11 +265,12 @@ void prepare_int4_x(const X* x, int64_t M, int64_t K, int64_t gs, bool as_int16,
   out.S.assign(M * G, 0.f);
   for (int64_t m = 0; m < M; m++)
     for (int64_t c = 0; c < C; c++) {
-      const X* xc = x + m * K + c * kChunk;
+      const X* xc = x + m * Kx + c * kChunk;
+      const int64_t valid = std::min<int64_t>(kChunk, Kx - c * kChunk);
       float v[kChunk], amax = 0.f, sum = 0.f;
       for (int j = 0; j < 32; j++)
         for (int t = 0; t < 4; t++) {
-          const float f = static_cast<float>(xc[4 * j + t]);
+          const float f = 4 * j + t < valid ? static_cast<float>(xc[4 * j + t]) : 0.f;
           v[32 * t + j] = f;
           amax = std::max(amax, std::fabs(f));
           sum += f;
@@ -565,12 +569,12 @@ namespace {
 
 template <class Sc>
 void int4_loop(const at::Tensor& x, const uint8_t* w, const Sc* scale, const Sc* minimum,
-               int64_t gs, at::Tensor& y) {
-  const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
+               int64_t K, int64_t gs, at::Tensor& y) {
+  const int64_t M = x.size(0), Kx = x.size(1), N = y.size(1);
   Int4X xp;
 #if defined(WB_ISA_AVX512BF16)
   if (x.scalar_type() == at::kBFloat16) {    // products of bf16 x with 128 + q are exact
-    prepare_int4_x(x.data_ptr<bf16>(), M, K, gs, false, xp);
+    prepare_int4_x(x.data_ptr<bf16>(), M, Kx, K, gs, false, xp);
     bf16* yp = y.data_ptr<bf16>();
     at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
       if (M == 1) int4_rows_bf16<1>(xp, w, scale, minimum, yp, N, K, gs, n0, n1);
@@ -579,8 +583,8 @@ void int4_loop(const at::Tensor& x, const uint8_t* w, const Sc* scale, const Sc*
     return;
   }
 #endif
-  if (x.scalar_type() == at::kFloat) prepare_int4_x(x.data_ptr<float>(), M, K, gs, true, xp);
-  else prepare_int4_x(x.data_ptr<bf16>(), M, K, gs, true, xp);
+  if (x.scalar_type() == at::kFloat) prepare_int4_x(x.data_ptr<float>(), M, Kx, K, gs, true, xp);
+  else prepare_int4_x(x.data_ptr<bf16>(), M, Kx, K, gs, true, xp);
   with_y(y, [&](auto* yp) {
     using Y = std::remove_pointer_t<decltype(yp)>;
     at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
@@ -618,7 +622,8 @@ at::Tensor int4_weight_fp32(const uint8_t* w, const Sc* scale, const Sc* minimum
 
 }  // namespace
 
-// x (M, K) bf16 or fp32 with K padded to whole groups; packed (N, K/2) uint8; scale, minimum
+// x (M, Kx) bf16 or fp32 with Kx <= K, read as zero-padded to K (whole groups; no copy for the
+// loops); packed (N, K/2) uint8; scale, minimum
 // (N, K/gs) bf16 or fp32. bf16 x above the loop's rows runs aten's kernel on its own layout of the
 // same weights (aten_packed, aten_scale_zero: Int4Linear._aten_pack), as the layer does without
 // this kernel; fp32 x there, torch's fp32 GEMM on the widened weight.
@@ -626,15 +631,19 @@ void linear_int4_into(const at::Tensor& x, const at::Tensor& packed, const at::T
                       const at::Tensor& minimum, int64_t group_size, const at::Tensor& aten_packed,
                       const at::Tensor& aten_scale_zero, at::Tensor& y) {
   check_2d(x, packed, "packed");
-  const int64_t M = x.size(0), N = packed.size(0), K = packed.size(1) * 2;
+  const int64_t M = x.size(0), N = packed.size(0), K = packed.size(1) * 2, Kx = x.size(1);
   check_y(y, x, M, N);
+  TORCH_CHECK(Kx > 0 && Kx <= K && x.is_contiguous() &&
+              (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "x must be a contiguous (M, K) bf16 or fp32 tensor with K <= ", K,
+              " (zero-padded to it), got ", x.sizes(), " ", x.scalar_type());
   const bool fp32 = x.scalar_type() == at::kFloat;
   if (!fp32 && M > kMaxRows) {
+    const at::Tensor xp = Kx == K ? x : at::constant_pad_nd(x, {0, K - Kx});
     y.copy_(at::_weight_int4pack_mm_for_cpu(
-        x, aten_packed, group_size, aten_scale_zero_for(x, scale, minimum, aten_scale_zero)));
+        xp, aten_packed, group_size, aten_scale_zero_for(x, scale, minimum, aten_scale_zero)));
     return;
   }
-  check_x(x, K);
   TORCH_CHECK(group_size > 0 && group_size % kChunk == 0 && K % group_size == 0,
               "group_size must be a multiple of 128 dividing ", K, ", got ", group_size);
   TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kByte, "packed must be contiguous uint8");
@@ -649,12 +658,12 @@ void linear_int4_into(const at::Tensor& x, const at::Tensor& packed, const at::T
   const bool wide = fp32 && M > kMaxRowsFp32Quant;   // prefill: w widened once, torch's GEMM
   if (scale.scalar_type() == at::kFloat) {
     const float *sp = scale.data_ptr<float>(), *mp = minimum.data_ptr<float>();
-    if (wide) at::mm_out(y, x, int4_weight_fp32(wp, sp, mp, N, K, group_size).t());
-    else int4_loop(x, wp, sp, mp, group_size, y);
+    if (wide) at::mm_out(y, x, int4_weight_fp32(wp, sp, mp, N, K, group_size).narrow(1, 0, Kx).t());
+    else int4_loop(x, wp, sp, mp, K, group_size, y);
   } else {
     const bf16 *sp = scale.data_ptr<bf16>(), *mp = minimum.data_ptr<bf16>();
-    if (wide) at::mm_out(y, x, int4_weight_fp32(wp, sp, mp, N, K, group_size).t());
-    else int4_loop(x, wp, sp, mp, group_size, y);
+    if (wide) at::mm_out(y, x, int4_weight_fp32(wp, sp, mp, N, K, group_size).narrow(1, 0, Kx).t());
+    else int4_loop(x, wp, sp, mp, K, group_size, y);
   }
 }
 

@@ -66,7 +66,7 @@ class Int4GemvLinear(Int4Linear):
         if not _runs_kernel(self, x):
             return super().forward(x)
         shape = x.shape
-        x2 = self._pad(x.reshape(-1, self.in_features)).contiguous()
+        x2 = x.reshape(-1, self.in_features).contiguous()      # the op reads the padding as 0
         aten_packed, group_size, aten_scale_zero = self._aten_pack(x.dtype)
         out = torch.ops.workbench_cpu.linear_int4(x2, self.packed, self.scale, self.minimum,
                                                   group_size, aten_packed, aten_scale_zero)
