@@ -248,8 +248,8 @@ class EngineConfig:
         why_not = None
         if self.torch_device.type != "cpu":
             why_not = f"they are CPU kernels and device is {self.torch_device.type}"
-        elif self.torch_dtype != torch.bfloat16:
-            why_not = f"they take bf16 activations and dtype is {self.torch_dtype}"
+        elif self.torch_dtype not in (torch.bfloat16, torch.float32):
+            why_not = f"they take bf16 or fp32 activations and dtype is {self.torch_dtype}"
         elif self.world_size > 1:
             why_not = "the parallel workers keep torch's kernels"
         elif self.batch_invariant:

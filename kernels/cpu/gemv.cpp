@@ -479,6 +479,7 @@ void linear_fp32_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   check_2d(x, w, "w");
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   check_y(y, x, M, N);
+  if (M == 0) return;   // no rows (e.g. a step that samples none): nothing to compute
   TORCH_CHECK(x.scalar_type() == at::kFloat, "fp32 w needs fp32 x, got ", x.scalar_type());
   if (M > kMaxRowsFp32Fp32) {
     at::mm_out(y, x, w.t());
@@ -494,6 +495,7 @@ void linear_bf16_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   if (w.scalar_type() == at::kFloat) return linear_fp32_into(x, w, y);
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   check_y(y, x, M, N);
+  if (M == 0) return;   // no rows (e.g. a step that samples none): nothing to compute
   const bool fp32 = x.scalar_type() == at::kFloat;
   if (!fp32 && M > kMaxRows) {   // torch's GEMM: the kernel at::linear runs for a 2-D x, no bias
     at::mm_out(y, x, w.t());
@@ -534,6 +536,7 @@ void linear_int8_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   check_2d(x, w, "w");
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   check_y(y, x, M, N);
+  if (M == 0) return;   // no rows (e.g. a step that samples none): nothing to compute
   const bool fp32 = x.scalar_type() == at::kFloat;
   if (fp32 && M > kMaxRowsFp32Quant) {   // prefill: w widened and scaled once, torch's fp32 GEMM
     at::mm_out(y, x, (w.to(at::kFloat) * scale.to(at::kFloat).unsqueeze(1)).t());
@@ -633,6 +636,7 @@ void linear_int4_into(const at::Tensor& x, const at::Tensor& packed, const at::T
   check_2d(x, packed, "packed");
   const int64_t M = x.size(0), N = packed.size(0), K = packed.size(1) * 2, Kx = x.size(1);
   check_y(y, x, M, N);
+  if (M == 0) return;   // no rows (e.g. a step that samples none): nothing to compute
   TORCH_CHECK(Kx > 0 && Kx <= K && x.is_contiguous() &&
               (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "x must be a contiguous (M, K) bf16 or fp32 tensor with K <= ", K,

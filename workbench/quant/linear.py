@@ -9,7 +9,8 @@
 - "reference": dequantize the weight to the activation dtype, then F.linear. The specification.
 - "fast": torch's packed CPU kernels (aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu,
   torch._int_mm) on CPU; the Triton dequantize-and-multiply kernel (kernels/quant_matmul.py) on
-  CUDA, for bf16, fp16 and fp32 activations (shapes the kernels refuse take the reference path).
+  CUDA. Where no fast kernel exists for the input (fp32 activations on CPU: aten's packed kernels
+  take them but are written for bf16/fp16, see FAST_CPU_DTYPES), the reference path runs.
 The weight-only layers read 1 (INT8) or ~0.5 (INT4) bytes per weight instead of 2: at batch 1,
 decode is bound by reading weights, so that is where the speed comes from.
 """
@@ -21,9 +22,10 @@ from torch import nn
 
 from .formats import Int4Weight, Int8Weight, pad_to_groups
 
-# aten's packed INT8 / INT4 CPU kernels take fp32 activations as well as bf16: an fp32 model (the
-# "auto" dtype on CPUs without native bf16) must not dequantize every weight on every call.
-FAST_CPU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# aten's packed INT8 / INT4 CPU kernels accept fp32 activations but are written for bf16/fp16: in
+# fp32 they run 2-17x slower than dequantizing and F.linear from 16 rows on (3072 x 576 layer,
+# 2 threads). fp32 models take the hand-written loops of kernels/cpu instead (models/cpu_gemv.py).
+FAST_CPU_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class QuantLinear(nn.Module):
