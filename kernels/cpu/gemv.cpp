@@ -53,12 +53,11 @@ constexpr int64_t kBlock = 64;         // weight rows per block, read by every t
 // fp32 x: the loops run up to these many rows; above, the weight widened to fp32 once and torch's
 // GEMM. (aten's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu take fp32 x in torch 2.13 but
 // ran 14-90x slower than these loops at every M from 1 to 64, so fp32 x never goes to them.)
-// Loop vs widen-and-GEMM, 1 thread, gate_up / down (python -m kernels.cpu.bench --x fp32 --vs
-// widened --rows 16,32,64,128 --shapes gate_up,down --threads 1, these limits raised to 128,
-// before kBlock): bf16 w at M=64 1.03x /
-// 1.08x on AVX2 (0.96x at 128), 1.51x / 1.77x on AVX-512; fp32 w at M=16 1.35x / 1.19x and at
-// M=32 0.90x / 1.01x on AVX2, at M=64 1.44x / 1.55x on AVX-512; int8 at M=64 1.19x / 1.17x on
-// AVX2, 2.1x on AVX-512; int4 1.6x-3.9x.
+// Loop vs widen-and-GEMM per call, 1 thread, SmolLM2's layers and LM head (python -m
+// kernels.cpu.bench --x fp32 --vs widened --rows 16,64 --threads 1): AVX2 at M=64, bf16 w 0.89-1.06x
+// on the layers and 2.5x on the LM head, int8 1.0-1.2x (4.2x), int4 1.2-1.7x (5.6x); fp32 w at
+// M=16 1.04-1.16x (1.8x), at M=64 0.90-1.09x (0.90x). AVX-512 at M=64: bf16 and fp32 w 1.2-1.8x,
+// int8 1.6-2.6x, int4 1.5-3.6x, LM head 1.7-10.6x.
 constexpr int64_t kMaxRowsFp32Bf16 = 64;
 #if defined(WB_ISA_AVX512)
 constexpr int64_t kMaxRowsFp32Fp32 = 64;
