@@ -268,26 +268,33 @@ def test_decode_steps_agree_with_torchs_kernels(kwargs):
 def test_cpu_gemv_setting_is_validated():
     with pytest.raises(ValueError, match=r"cpu_gemv='yes' is invalid: allowed are None"):
         EngineConfig(cpu_gemv="yes", device="cpu")
-    with pytest.raises(ValueError, match=r"cpu_gemv=True is invalid here: they take bf16 "
-                                         r"activations and dtype is torch.float32"):
-        EngineConfig(cpu_gemv=True, device="cpu", dtype="float32")
-    auto_fp32 = EngineConfig(device="cpu", dtype="float32")
-    assert not auto_fp32.use_cpu_gemv and "dtype is torch.float32" in auto_fp32.cpu_gemv_reason
-    assert EngineConfig(device="cpu", dtype="bfloat16", cpu_gemv=None).use_cpu_gemv == OK
-    assert not EngineConfig(device="cpu", dtype="bfloat16").use_cpu_gemv      # off by default
+    with pytest.raises(ValueError, match=r"cpu_gemv=True is invalid here: batch_invariant=True"):
+        EngineConfig(cpu_gemv=True, device="cpu", batch_invariant=True)
+    for dtype in ("float32", "bfloat16"):                 # on by default where the kernels build
+        assert EngineConfig(device="cpu", dtype=dtype).use_cpu_gemv == OK
+    off = EngineConfig(device="cpu", cpu_gemv=False)
+    assert not off.use_cpu_gemv and off.cpu_gemv_reason == "switched off"
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_zero_rows_give_an_empty_result(dtype):
+    """A step that samples no row calls the LM head on zero rows."""
+    x = torch.empty(0, 576, dtype=dtype)
+    assert torch.ops.workbench_cpu.linear_bf16(x, torch.randn(64, 576).bfloat16()).shape == (0, 64)
+    w8, s8 = torch.randint(-9, 9, (64, 576), dtype=torch.int8), torch.rand(64).bfloat16()
+    assert torch.ops.workbench_cpu.linear_int8(x, w8, s8).shape == (0, 64)
 
 
 @needs_kernels
 def test_the_engine_says_which_matmuls_it_runs(tiny_folder):
-    llm = LLM(model=str(tiny_folder), dtype="bfloat16", device="cpu", verbose=False,
-              max_model_len=64, cpu_gemv=True)
+    from kernels.cpu import best_isa
     from workbench.models.cpu_gemv import GemvLinear
-    assert all(isinstance(layer.mlp.down_proj, GemvLinear) for layer in llm.engine.model.layers)
-    assert "matmuls: AVX-512 GEMV" in llm.describe()
+    for dtype in ("bfloat16", "float32"):
+        llm = LLM(model=str(tiny_folder), dtype=dtype, device="cpu", verbose=False, max_model_len=64)
+        assert all(isinstance(layer.mlp.down_proj, GemvLinear) for layer in llm.engine.model.layers)
+        assert f"matmuls: kernels/cpu {best_isa()} loops" in llm.describe()
     off = LLM(model=str(tiny_folder), dtype="bfloat16", device="cpu", verbose=False,
-              max_model_len=64)
+              max_model_len=64, cpu_gemv=False)
     assert not any(isinstance(layer.mlp.down_proj, GemvLinear) for layer in off.engine.model.layers)
-    assert "GEMV" not in off.describe()
-    fp32 = LLM(model=str(tiny_folder), dtype="float32", device="cpu", verbose=False,
-               max_model_len=64, cpu_gemv=None)
-    assert "matmuls: torch (no GEMV: they take bf16 activations" in fp32.describe()
+    assert "matmuls: torch (cpu_gemv off: switched off)" in off.describe()
