@@ -1,8 +1,14 @@
-"""kernels/cpu: the hand-written AVX-512 BF16 matmul for small batches.
+"""kernels/cpu: the hand-written matmuls for small batches, on whichever build runs here
+(WORKBENCH_ISA=avx2 or default runs the lower builds on an AVX-512 machine).
 
-The kernel sums in fp32 and rounds once to bf16, as torch's does; only the order of the fp32 sums
-differs. So every output must be within one bf16 step of the exact product (computed in fp64 from
-the same bf16 inputs), and almost every output must equal torch's own bf16 result.
+Every op is checked against the exact product of the same inputs (fp64, so each bound below is
+the kernel's error alone) for x bf16 and fp32, every weight format, and row counts on both sides
+of the loops' limits (torch's kernels above them). The bounds:
+- fp32 y: the worst case of a K-term fp32 sum (Higham's gamma_K), K 2^-24 (|x| @ |w|.T), plus a
+  few roundings for the scale, aten's dequantization and its zero point ((K + 4) 2^-24 in all);
+- INT4 adds x rounded to 16 bits per 128-element chunk on the integer loops (int4_chunk in
+  gemv.cpp): |error| <= max|x_chunk| / 65534 per element, times |scale q| summed;
+- bf16 y: that, plus one bf16 step of the exact value (a single rounding of the fp32 sum).
 Then the engine: the same greedy tokens with and without the kernels, eager and compiled.
 """
 import pytest
@@ -16,34 +22,59 @@ from workbench.config import EngineConfig
 OK, WHY = available()
 needs_kernels = pytest.mark.skipif(not OK, reason=f"CPU kernels unavailable: {WHY}")
 SHAPES = [(960, 576), (577, 1536), (13, 40), (4, 33), (7, 130)]   # real layers, odd N, K tails
+ROWS = [1, 2, 3, 8, 64]
+X_DTYPES = [torch.bfloat16, torch.float32]
+U = 2.0 ** -24                                                    # fp32 unit roundoff
 
 
-def assert_within_one_bf16_step(out: torch.Tensor, exact: torch.Tensor) -> None:
-    """|out - exact| <= one bf16 ulp of |exact| (+ an fp32 sum-order allowance near zero)."""
+def fp32_sum_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """(K + 4) u (|x| @ |w|.T): a K-term fp32 dot product's worst error, plus a few roundings."""
+    return (x.shape[1] + 4) * U * (x.double().abs() @ w.double().abs().t())
+
+
+def assert_close(out: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor) -> None:
+    """|out - exact| <= bound, plus one bf16 step of |exact| when out is bf16."""
     exact = exact.double()
-    ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp(min=1e-30))) - 7)
-    err = (out.double() - exact).abs()
-    allowance = ulp + 1e-6 * exact.abs().max()
-    worst = (err / allowance).max().item()
+    allowance = bound.double() + 1e-30
+    if out.dtype == torch.bfloat16:
+        allowance = allowance + torch.exp2(torch.floor(torch.log2(exact.abs().clamp(min=1e-30))) - 7)
+    worst = ((out.double() - exact).abs() / allowance).max().item()
     assert worst <= 1.0, f"an output is {worst:.2f} allowances away from the exact product"
 
 
+def inputs(rows, n, k, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, k, generator=g).to(dtype), g
+
+
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 5, MAX_ROWS])
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_bf16_kernel_matches_the_exact_product(rows, n, k):
-    g = torch.Generator().manual_seed(rows * 1000 + n + k)
-    x = torch.randn(rows, k, generator=g).bfloat16()
+@pytest.mark.parametrize("x_dtype", X_DTYPES, ids=["x_bf16", "x_fp32"])
+def test_bf16_weights_give_the_exact_product(x_dtype, rows, n, k):
+    x, g = inputs(rows, n, k, x_dtype, rows * 1000 + n + k)
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     out = torch.ops.workbench_cpu.linear_bf16(x, w)
-    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
-    assert_within_one_bf16_step(out, x.double() @ w.double().t())
-    same_as_torch = (out == F.linear(x, w)).float().mean().item()
-    assert same_as_torch > 0.95
+    assert out.dtype == x_dtype and out.shape == (rows, n)
+    assert_close(out, x.double() @ w.double().t(), fp32_sum_bound(x, w))
+    if x_dtype == torch.bfloat16:
+        same_as_torch = (out == F.linear(x, w)).float().mean().item()
+        assert same_as_torch > 0.95 if rows <= MAX_ROWS else same_as_torch == 1.0
 
 
 @needs_kernels
-def test_batches_above_the_small_path_are_torchs_own_result():
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_fp32_weights_give_the_exact_product(rows, n, k):
+    x, g = inputs(rows, n, k, torch.float32, rows * 1000 + n + k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    for out in (torch.ops.workbench_cpu.linear_fp32(x, w), torch.ops.workbench_cpu.linear_bf16(x, w)):
+        assert out.dtype == torch.float32 and out.shape == (rows, n)
+        assert_close(out, x.double() @ w.double().t(), fp32_sum_bound(x, w))
+
+
+@needs_kernels
+def test_bf16_batches_above_the_small_path_are_torchs_own_result():
     x = torch.randn(MAX_ROWS + 1, 576).bfloat16()
     w = (torch.randn(64, 576) * 0.05).bfloat16()
     assert torch.equal(torch.ops.workbench_cpu.linear_bf16(x, w), F.linear(x, w))
@@ -52,27 +83,36 @@ def test_batches_above_the_small_path_are_torchs_own_result():
 @needs_kernels
 def test_bad_inputs_are_named():
     w = torch.randn(8, 64).bfloat16()
-    with pytest.raises(RuntimeError, match=r"x must be a contiguous \(M, 64\) bf16"):
-        torch.ops.workbench_cpu.linear_bf16(torch.randn(1, 64), w)          # fp32 x
+    with pytest.raises(RuntimeError, match=r"x must be a contiguous \(M, 64\) bf16 or fp32"):
+        torch.ops.workbench_cpu.linear_bf16(torch.randn(1, 64).double(), w)
+    with pytest.raises(RuntimeError, match=r"x must be a contiguous \(M, 64\) bf16 or fp32"):
+        torch.ops.workbench_cpu.linear_bf16(torch.randn(1, 63).bfloat16(), w)
+    with pytest.raises(RuntimeError, match=r"x and w must be 2-D"):
+        torch.ops.workbench_cpu.linear_bf16(torch.randn(64).bfloat16(), w)
+    with pytest.raises(RuntimeError, match=r"fp32 w needs fp32 x"):
+        torch.ops.workbench_cpu.linear_bf16(torch.randn(1, 64).bfloat16(), w.float())
+    with pytest.raises(RuntimeError, match=r"w must be contiguous fp32"):
+        torch.ops.workbench_cpu.linear_fp32(torch.randn(1, 64), w)
+    with pytest.raises(RuntimeError, match=r"w must be contiguous bf16"):
+        torch.ops.workbench_cpu.linear_bf16(torch.randn(1, 64), w.half())
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_int8_kernel_matches_the_exact_product(rows, n, k):
-    """Weight-only INT8, one scale per output row: fp32 sums rounded once to bf16, as aten's
-    _weight_int8pack_mm computes (which crashes on 2+ rows when K % 16 != 0, so K=33/40/130 are
-    checked against the exact product only)."""
-    g = torch.Generator().manual_seed(rows * 1000 + n + k)
-    x = torch.randn(rows, k, generator=g).bfloat16()
+@pytest.mark.parametrize("x_dtype", X_DTYPES, ids=["x_bf16", "x_fp32"])
+def test_int8_weights_give_the_exact_product(x_dtype, rows, n, k):
+    """Weight-only INT8, one scale per output row (in x's dtype, as Int8Linear keeps it): fp32
+    sums times the scale, rounded once, as aten's _weight_int8pack_mm computes (which crashes on
+    2+ rows when K % 16 != 0, so those shapes run the loop at every row count)."""
+    x, g = inputs(rows, n, k, x_dtype, rows * 1000 + n + k)
     w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-    scale = (torch.rand(n, generator=g) * 0.01 + 1e-3).bfloat16()
+    scale = (torch.rand(n, generator=g) * 0.01 + 1e-3).to(x_dtype)
     out = torch.ops.workbench_cpu.linear_int8(x, w, scale)
-    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
-    # exact: the fp64 sum, times the scale; rounding the sum to fp32 and the product to bf16
-    # stays within one bf16 step of it
-    assert_within_one_bf16_step(out, (x.double() @ w.double().t()) * scale.double())
-    if k % 16 == 0:
+    assert out.dtype == x_dtype and out.shape == (rows, n)
+    w_exact = w.double() * scale.double()[:, None]
+    assert_close(out, x.double() @ w_exact.t(), fp32_sum_bound(x, w_exact))
+    if k % 16 == 0 and x_dtype == torch.bfloat16:
         aten = torch.ops.aten._weight_int8pack_mm(x, w, scale)
         assert (out == aten).float().mean().item() > 0.95
 
@@ -81,50 +121,77 @@ def test_int8_kernel_matches_the_exact_product(rows, n, k):
 def test_int8_bad_inputs_are_named():
     w = torch.randint(-127, 128, (8, 64), dtype=torch.int8)
     x = torch.randn(1, 64).bfloat16()
-    with pytest.raises(RuntimeError, match=r"scale must be a contiguous \(8,\) bf16"):
-        torch.ops.workbench_cpu.linear_int8(x, w, torch.ones(8))           # fp32 scale
+    with pytest.raises(RuntimeError, match=r"scale must be a contiguous \(8,\) bf16 or fp32"):
+        torch.ops.workbench_cpu.linear_int8(x, w, torch.ones(8).double())
+    with pytest.raises(RuntimeError, match=r"scale must be a contiguous \(8,\) bf16 or fp32"):
+        torch.ops.workbench_cpu.linear_int8(x, w, torch.ones(7).bfloat16())
     with pytest.raises(RuntimeError, match=r"w must be contiguous int8"):
         torch.ops.workbench_cpu.linear_int8(x, w.float(), torch.ones(8).bfloat16())
 
 
-@needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 3])
-@pytest.mark.parametrize("n,k,group", [(960, 576, 128), (576, 1536, 128), (48, 130, 128),
-                                       (64, 1024, 256)])
-def test_int4_kernel_gives_atens_product(rows, n, k, group):
-    """Group-wise INT4 (codes as bf16 128 + q, the offset taken out per group): within one bf16
-    step of the exact product of x and the layer's weight (q * scale + minimum, in fp64), no
-    further from it than aten's, and almost always aten's very result (3 rows: aten's kernel runs,
-    so exactly aten's)."""
+def int4_layer(n, k, group, dtype, g):
     from workbench.quant.formats import quantize_int4
     from workbench.quant.linear import Int4Linear
+    return Int4Linear(quantize_int4(torch.randn(n, k, generator=g) * 0.05, group), dtype)
+
+
+def int4_exact_and_bound(layer, x, group):
+    """The exact product with the layer's weight (q * scale + minimum, fp64) and its bound."""
+    n = layer.packed.shape[0]
+    codes = layer.as_weight().codes().double().view(n, -1, group)
+    scale = layer.scale.double()[..., None]
+    w = (codes * scale + layer.minimum.double()[..., None]).view(n, -1)
+    xd = x.double()
+    chunk_max = xd.abs().view(x.shape[0], -1, 128).amax(-1, keepdim=True).expand(-1, -1, 128)
+    x_rounding = chunk_max.reshape(x.shape) / 65534 @ (codes * scale).view(n, -1).abs().t()
+    return xd @ w.t(), fp32_sum_bound(x, w) + x_rounding
+
+
+INT4_SHAPES = [(960, 576, 128), (576, 1536, 128), (48, 130, 128), (64, 1024, 256)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n,k,group", INT4_SHAPES)
+@pytest.mark.parametrize("x_dtype, w_dtype", [(torch.bfloat16, torch.bfloat16),
+                                              (torch.float32, torch.float32),
+                                              (torch.float32, torch.bfloat16)],
+                         ids=["x_bf16", "x_fp32", "x_fp32-scale_bf16"])
+def test_int4_weights_give_the_exact_product(x_dtype, w_dtype, rows, n, k, group):
+    """Group-wise INT4 (scale and minimum in w_dtype): within the bound of the exact product of x
+    and the layer's weight; bf16 x above the loop's rows is aten's very result."""
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
-    layer = Int4Linear(quantize_int4(torch.randn(n, k, generator=g) * 0.05, group), torch.bfloat16)
-    x = layer._pad(torch.randn(rows, k, generator=g).bfloat16()).contiguous()
-    aten_packed, _, aten_scale_zero = layer._aten_pack(torch.bfloat16)
+    layer = int4_layer(n, k, group, w_dtype, g)
+    x = layer._pad(torch.randn(rows, k, generator=g).to(x_dtype)).contiguous()
+    aten_packed, _, aten_scale_zero = layer._aten_pack(w_dtype)
     out = torch.ops.workbench_cpu.linear_int4(x, layer.packed, layer.scale, layer.minimum, group,
                                               aten_packed, aten_scale_zero)
-    aten = torch.ops.aten._weight_int4pack_mm_for_cpu(x, aten_packed, group, aten_scale_zero)
-    codes = layer.as_weight().codes().double().view(n, -1, group)
-    w = (codes * layer.scale.double()[..., None] + layer.minimum.double()[..., None]).view(n, -1)
-    exact = x.double() @ w.t()
-    if rows == 3:
+    assert out.dtype == x_dtype and out.shape == (rows, n)
+    exact, bound = int4_exact_and_bound(layer, x, group)
+    if x_dtype == torch.bfloat16 and rows > MAX_ROWS:
+        aten = torch.ops.aten._weight_int4pack_mm_for_cpu(x, aten_packed, group, aten_scale_zero)
         assert torch.equal(out, aten)
     else:
-        assert_within_one_bf16_step(out, exact)
-        assert (out - exact).abs().max() <= (aten - exact).abs().max()
-        assert (out == aten).float().mean().item() > 0.95
+        assert_close(out, exact, bound)
 
 
 @needs_kernels
-def test_int4_bad_group_size_is_named():
-    from workbench.quant.formats import quantize_int4
-    from workbench.quant.linear import Int4Linear
-    layer = Int4Linear(quantize_int4(torch.randn(32, 128), 64), torch.bfloat16)
+def test_int4_bad_inputs_are_named():
+    g = torch.Generator().manual_seed(0)
+    layer = int4_layer(32, 128, 64, torch.bfloat16, g)
     p, _, sz = layer._aten_pack(torch.bfloat16)
     with pytest.raises(RuntimeError, match="group_size must be a multiple of 128 dividing 128, got 64"):
         torch.ops.workbench_cpu.linear_int4(torch.randn(1, 128).bfloat16(), layer.packed,
                                             layer.scale, layer.minimum, 64, p, sz)
+    layer = int4_layer(32, 128, 128, torch.bfloat16, g)
+    p, _, sz = layer._aten_pack(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"scale and minimum must be contiguous \(32, 1\) "
+                                           r"tensors, both bf16 or both fp32"):
+        torch.ops.workbench_cpu.linear_int4(torch.randn(1, 128), layer.packed, layer.scale,
+                                            layer.minimum.float(), 128, p, sz)
+    with pytest.raises(RuntimeError, match=r"x must be a contiguous \(M, 128\) bf16 or fp32"):
+        torch.ops.workbench_cpu.linear_int4(torch.randn(1, 120), layer.packed, layer.scale,
+                                            layer.minimum, 128, p, sz)
 
 
 @needs_kernels

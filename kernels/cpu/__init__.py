@@ -14,7 +14,8 @@ torch's extension folder, about 30 s on 2 cores), and one process loads one of t
 Registered as torch operators:
 
     torch.ops.workbench_cpu.linear_bf16(x, w)          x (M, K), w (N, K) bf16 -> (M, N)
-    torch.ops.workbench_cpu.linear_int8(x, w, scale)   w (N, K) int8, scale (N,) bf16: x @ w.T * scale
+    torch.ops.workbench_cpu.linear_fp32(x, w)          x (M, K), w (N, K) fp32 -> (M, N)
+    torch.ops.workbench_cpu.linear_int8(x, w, scale)   w (N, K) int8, scale (N,): x @ w.T * scale
     torch.ops.workbench_cpu.linear_int4(x, packed, scale, minimum, group_size, aten_packed,
                                         aten_scale_zero)
         Int4Linear's codes (N, K/2) and per-group scale/minimum; aten's layout for 3+ rows
@@ -136,6 +137,10 @@ def describe() -> str:
 
 def _register_fakes() -> None:
     @torch.library.register_fake("workbench_cpu::linear_bf16")
+    def _(x, w):
+        return x.new_empty(x.shape[0], w.shape[0])
+
+    @torch.library.register_fake("workbench_cpu::linear_fp32")
     def _(x, w):
         return x.new_empty(x.shape[0], w.shape[0])
 

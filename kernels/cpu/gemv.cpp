@@ -1,65 +1,169 @@
-// Small-batch matrix-vector products for x86 CPUs with AVX-512 BF16: the decode path at batch 1,
-// for bf16 weights (linear_bf16), INT8 weight-only ones (linear_int8) and group-wise INT4 ones
-// (linear_int4).
+// Small-batch matrix-vector products for the decode path: y = x @ W.T for a few rows of x, for
+// bf16 or fp32 weights (linear_bf16, linear_fp32), INT8 weight-only ones (linear_int8) and
+// group-wise INT4 ones (linear_int4). x is bf16 or fp32 and y has x's dtype.
 //
 // Why hand-written: at batch 1 a decode step multiplies one activation row by every weight
 // matrix, so its speed is the speed at which the weights stream from memory. PyTorch's bf16
 // `F.linear` for one row goes through a GEMM path built for big batches and streams bf16 weights
 // at about half the rate its own fp32 GEMV reaches on the same machine (see the README's speed
-// ladder). This loop does what llama.cpp's CPU dot products do: one pass over each weight row,
+// ladder). These loops do what llama.cpp's CPU dot products do: one pass over each weight row,
 // multiply-added into fp32 accumulators, rows split across threads.
 //
-// y[m, n] = sum_k x[m, k] * W[n, k] for m < M, x and W bf16. vdpbf16ps multiplies 32 bf16 pairs
-// and adds them into 16 fp32 lanes. The sum is rounded to bf16 once, as torch's kernels do; only
-// the order of the fp32 additions differs (tests bound the difference). Larger M goes to torch's
-// at::linear. The crossover was measured over SmolLM2's 120 projections with the first version of
-// the loop (ms per pass, loop vs torch): M=1 12.3 vs 17.7, M=2 15.5 vs 17.5, M=3 17.9 vs 17.7,
-// M=8 36.3 vs 24.0. Every extra row repeats the multiply-adds while the bytes stay the same, and
-// torch's GEMM blocks the rows better, so this loop only pays at 1 and 2 rows.
+// Portable: the arithmetic is written on wb::Vec (at::vec::Vectorized<float>, isa.h), so one
+// source builds for AVX-512, AVX2 and any other CPU (ARM through ATen's NEON vector). Only a few
+// inner products are written per ISA, each in one function behind the WB_ISA_* macros: the bf16
+// dot product (vdpbf16ps), the INT4 chunk product (vpmaddwd) and, in isa.h, the widening loads.
+//
+// Sums are fp32 and a bf16 y is rounded once, as torch's kernels do; only the order of the fp32
+// additions differs (tests bound the difference). INT4 is the one exception, see int4_chunk.
+//
+// Rows: bf16 x runs the loops for M <= kMaxRows and torch's GEMM above (measured over SmolLM2's
+// 120 projections, ms per pass, loop vs torch: M=1 12.3 vs 17.7, M=2 15.5 vs 17.5, M=3 17.9 vs
+// 17.7, M=8 36.3 vs 24.0). fp32 x runs them in tiles of rows (each weight row read once per tile)
+// up to the per-format limits below, measured separately.
 //
 // Earlier versions (2-core Intel Xeon VM with AVX-512 BF16 and AMX):
 // - INT4, first version: a row-major loop with a horizontal sum per group and the codes widened to
-//   floats ran 1.9x slower than aten's _weight_int4pack_mm_for_cpu. The kept loop (int4_rows)
-//   makes bf16 operands from the codes with two integer ops and sums once per row: 1.4x aten's.
+//   floats ran 1.9x slower than aten's _weight_int4pack_mm_for_cpu. The kept loops make operands
+//   from the codes with a few integer ops and sum once per row.
 // - INT8 weight-only, first version: widening int8 to fp32 (vpmovsxbd, vcvtdq2ps, vfmadd) ran at
-//   ~10.5 GB/s there, the same as aten's _weight_int8pack_mm. Rewritten like the bf16 loop below
-//   (one row at a time, four accumulators, x widened to fp32 once per call) on the AMD EPYC VM it
-//   reads 26 GB/s, the bandwidth roof, against 17 GB/s for aten's on SmolLM2's LM head, so it is
-//   kept (linear_int8).
+//   ~10.5 GB/s there, the same as aten's _weight_int8pack_mm. Rewritten like the bf16 loop (one
+//   row at a time, four accumulators, x widened to fp32 once per call) on the AMD EPYC VM it reads
+//   26 GB/s, the bandwidth roof, against 17 GB/s for aten's on SmolLM2's LM head.
 #include <ATen/ATen.h>
-#include <torch/library.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
+#include <torch/library.h>
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
 #include <vector>
 
+#include "isa.h"
 #include "ops.h"
-
 
 namespace {
 
-constexpr int64_t kMaxRows = 2;        // M up to this runs the loop below (measured crossover)
-constexpr int kChains = 3;             // independent accumulators along k per x row
-constexpr int64_t kGrain = 32;         // weight rows per thread task, at least
-
 using bf16 = c10::BFloat16;
+using wb::kLanes;
+using wb::Vec;
 
-#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+constexpr int64_t kMaxRows = 2;        // bf16 x: M up to this runs the loops (measured crossover)
+constexpr int64_t kGrain = 32;         // weight rows per thread task, at least
+// fp32 x: the loops run up to these many rows, torch's kernels above (see linear_*_into).
+constexpr int64_t kMaxRowsFp32Dense = 8;
+constexpr int64_t kMaxRowsFp32Int8 = 8;
+constexpr int64_t kMaxRowsFp32Int4 = 8;
+constexpr int64_t kTileDense = 4;      // rows per pass over the weights (bf16/fp32/int8 loops)
+constexpr int64_t kTileInt4 = 2;       // rows per pass over the codes (INT4 loop)
 
-// ---------------------------------------------------------------------------------------- bf16
-TARGET inline __m512 dot_bf16(__m512 acc, const bf16* a, const bf16* b, __mmask32 mask) {
+template <int R>
+using Rows = std::integral_constant<int, R>;
+
+// Calls fn(Rows<r>{}, m0) for each tile [m0, m0 + r) of M rows, r <= Tile (Tile <= 4).
+template <int Tile, class Fn>
+void for_tiles(int64_t M, const Fn& fn) {
+  for (int64_t m0 = 0; m0 < M; m0 += Tile) {
+    const int64_t r = std::min<int64_t>(Tile, M - m0);
+    if (r == 1) fn(Rows<1>{}, m0);
+    else if (r == 2) fn(Rows<2>{}, m0);
+    else if constexpr (Tile >= 3) {
+      if (r == 3) fn(Rows<3>{}, m0);
+      else fn(Rows<4>{}, m0);
+    }
+  }
+}
+
+inline Vec load_w(const float* p) { return wb::load_fp32(p); }
+inline Vec load_w(const bf16* p) { return wb::load_bf16(p); }
+inline Vec load_w(const int8_t* p) { return wb::load_int8(p); }
+
+// ------------------------------------------------------------------------------ dense (fp32 x)
+// Rows n0..n1 of W (bf16, fp32 or int8), one row at a time: each thread reads its share of W as
+// one sequential stream, the pattern hardware prefetchers follow best. (Interleaving 4 rows to
+// reuse each load of x ran 19-21 GB/s against 24-26 for one row at a time, on the 2-core AMD EPYC
+// VM; x is a few KB and stays in L1.) C accumulators per x row hide the FMA latency. finish(m, n,
+// sum) stores the row's fp32 sum.
+template <int M, class T, class Finish>
+void dense_rows(const float* x, const T* w, int64_t K, int64_t n0, int64_t n1,
+                const Finish& finish) {
+  constexpr int C = M == 1 ? 4 : 2;
+  constexpr int64_t kStep = kLanes * C;
+  const int64_t body = K - K % kStep, mid = K - K % kLanes;
+  for (int64_t n = n0; n < n1; n++) {
+    const T* wn = w + n * K;
+    Vec acc[M][C];
+    for (int m = 0; m < M; m++)
+      for (int c = 0; c < C; c++) acc[m][c] = Vec(0.f);
+    for (int64_t k = 0; k < body; k += kStep)
+      for (int c = 0; c < C; c++) {
+        const Vec vw = load_w(wn + k + kLanes * c);
+        for (int m = 0; m < M; m++)
+          acc[m][c] = at::vec::fmadd(Vec::loadu(x + m * K + k + kLanes * c), vw, acc[m][c]);
+      }
+    for (int64_t k = body; k < mid; k += kLanes) {
+      const Vec vw = load_w(wn + k);
+      for (int m = 0; m < M; m++) acc[m][0] = at::vec::fmadd(Vec::loadu(x + m * K + k), vw, acc[m][0]);
+    }
+    for (int m = 0; m < M; m++) {
+      Vec s = acc[m][0];
+      for (int c = 1; c < C; c++) s = s + acc[m][c];
+      float sum = wb::hsum(s);
+      for (int64_t k = mid; k < K; k++) sum += x[m * K + k] * static_cast<float>(wn[k]);
+      finish(m, n, sum);
+    }
+  }
+}
+
+// x as fp32: the tensor's own data, or widened from bf16 into `buf` once per call.
+const float* x_as_fp32(const at::Tensor& x, std::vector<float>& buf) {
+  if (x.scalar_type() == at::kFloat) return x.data_ptr<float>();
+  buf.resize(x.numel());
+  const bf16* xs = x.data_ptr<bf16>();
+  for (int64_t i = 0; i < x.numel(); i++) buf[i] = static_cast<float>(xs[i]);
+  return buf.data();
+}
+
+// Calls fn(pointer to y's data) as float* or bf16*.
+template <class Fn>
+void with_y(at::Tensor& y, const Fn& fn) {
+  if (y.scalar_type() == at::kFloat) fn(y.data_ptr<float>());
+  else fn(y.data_ptr<bf16>());
+}
+
+constexpr const float* kNoScale = nullptr;
+
+// y = x @ w.T (times scale[n] when scale is given) for every row of x, in tiles of kTileDense.
+template <class T, class S>
+void dense_linear(const at::Tensor& x, const T* w, const S* scale, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
+  std::vector<float> buf;
+  const float* xf = x_as_fp32(x, buf);
+  with_y(y, [&](auto* yp) {
+    using Y = std::remove_pointer_t<decltype(yp)>;
+    at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
+      for_tiles<kTileDense>(M, [&](auto rows, int64_t m0) {
+        Y* yt = yp + m0 * N;
+        auto finish = [&](int m, int64_t n, float sum) {
+          yt[m * N + n] = static_cast<Y>(scale ? sum * static_cast<float>(scale[n]) : sum);
+        };
+        dense_rows<decltype(rows)::value>(xf + m0 * K, w, K, n0, n1, finish);
+      });
+    });
+  });
+}
+
+// ------------------------------------------------------------------------------ bf16 x bf16
+#if defined(WB_ISA_AVX512BF16)
+constexpr int kChains = 3;             // independent accumulators along k per x row
+
+inline __m512 dot_bf16(__m512 acc, const bf16* a, const bf16* b, __mmask32 mask) {
   __m512i va = _mm512_maskz_loadu_epi16(mask, a), vb = _mm512_maskz_loadu_epi16(mask, b);
   return _mm512_dpbf16_ps(acc, (__m512bh)va, (__m512bh)vb);
 }
 
-// Rows n0..n1 of W, one row at a time: each thread reads its share of W as one sequential stream,
-// the pattern hardware prefetchers follow best. (The first version interleaved 4 rows to reuse
-// each load of x: 19-21 GB/s over SmolLM2's 121 projections on a 2-core AMD EPYC VM, against 24-26
-// for this loop, which is as fast as a loop that only ORs the same bytes together. x is a few KB
-// and stays in L1, so loading it again per row is free.) kChains accumulators per x row hide the
-// latency of the multiply-add chain.
+// vdpbf16ps multiplies 32 bf16 pairs and adds them into 16 fp32 lanes: x stays bf16, no widening.
 template <int M>
-TARGET void bf16_rows(const bf16* x, const bf16* w, bf16* y, int64_t N, int64_t K,
-                      int64_t n0, int64_t n1) {
+void bf16_rows(const bf16* x, const bf16* w, bf16* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   constexpr int64_t kStep = 32 * kChains;
   const int64_t body = K - K % kStep, tail = K % 32, mid = K - tail;
   const __mmask32 full = 0xFFFFFFFFu, last = tail ? (__mmask32)((1u << tail) - 1) : 0;
@@ -87,64 +191,177 @@ TARGET void bf16_rows(const bf16* x, const bf16* w, bf16* y, int64_t N, int64_t 
   }
 }
 
-// ---------------------------------------------------------------------------------------- int8
-// Weight-only INT8 (one scale per output row), the format of Int8Linear and of the LM head of
-// every quantized model. x is widened to fp32 once per call; each weight row is read once, 16
-// int8 at a time, sign-extended and converted to fp32 (vpmovsxbd, vcvtdq2ps) and multiply-added.
-// The row's sum is scaled and rounded to bf16 once, the formula of aten's _weight_int8pack_mm.
-template <int M>
-TARGET void int8_rows(const float* xf, const int8_t* w, const bf16* scale, bf16* y, int64_t N,
-                      int64_t K, int64_t n0, int64_t n1) {
-  constexpr int kLanes = 16, kStep = kLanes * 4;
-  const int64_t body = K - K % kStep, mid = K - K % kLanes, tail = K % kLanes;
-  const __mmask16 last = (__mmask16)((1u << tail) - 1);
-  for (int64_t n = n0; n < n1; n++) {
-    const int8_t* wn = w + n * K;
-    __m512 acc[M][4];
-    for (int m = 0; m < M; m++)
-      for (int c = 0; c < 4; c++) acc[m][c] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < body; k += kStep)
-      for (int c = 0; c < 4; c++) {
-        __m512 vw = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128((const __m128i*)(wn + k + kLanes * c))));
-        for (int m = 0; m < M; m++)
-          acc[m][c] = _mm512_fmadd_ps(vw, _mm512_loadu_ps(xf + m * K + k + kLanes * c), acc[m][c]);
-      }
-    for (int64_t k = body; k < mid; k += kLanes) {
-      __m512 vw = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(wn + k))));
-      for (int m = 0; m < M; m++) acc[m][0] = _mm512_fmadd_ps(vw, _mm512_loadu_ps(xf + m * K + k), acc[m][0]);
-    }
-    if (tail) {
-      __m512 vw = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(last, wn + mid)));
-      for (int m = 0; m < M; m++)
-        acc[m][0] = _mm512_fmadd_ps(vw, _mm512_maskz_loadu_ps(last, xf + m * K + mid), acc[m][0]);
-    }
-    const float s = float(scale[n]);
-    for (int m = 0; m < M; m++) {
-      __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
-      y[m * N + n] = bf16(_mm512_reduce_add_ps(sum) * s);
-    }
-  }
+// bf16 x and bf16 w, M <= kMaxRows.
+void bf16_bf16_linear(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+  auto xp = x.data_ptr<bf16>(), wp = w.data_ptr<bf16>(), yp = y.data_ptr<bf16>();
+  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
+    if (M == 1) bf16_rows<1>(xp, wp, yp, N, K, n0, n1);
+    else bf16_rows<2>(xp, wp, yp, N, K, n0, n1);
+  });
 }
+#else
+// Without vdpbf16ps: x widened to fp32 once, w by a 16-bit shift per load (the dense loop).
+void bf16_bf16_linear(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
+  dense_linear<bf16>(x, w.data_ptr<bf16>(), kNoScale, y);
+}
+#endif
 
 // ---------------------------------------------------------------------------------------- int4
 // Group-wise asymmetric INT4 (Int4Linear's format: w = q * scale + minimum per row and group,
-// codes 0..15, two per byte, even k in the low nibble). The trick that makes it cheap: a code q
-// OR 0x4300 is the bf16 number 128 + q exactly (exponent 2^7, q in the low mantissa bits), so
-// one shift and one vpternlog ((w >> s) & 0xF | 0x4300) turn codes into bf16 lanes that
-// vdpbf16ps multiplies with x directly:
-//   D_g = sum_{k in g} x_k (128 + q_k),  y = sum_g [scale_g (D_g - 128 S_g) + minimum_g S_g]
-// with S_g = sum_{k in g} x_k computed once per call. D_g stays a 16-lane vector scaled into the
-// row's accumulator, so there is one horizontal sum per row, not per group. A 64-byte load holds
-// 128 codes: 16-bit word j has codes k = 4j .. 4j+3 in its four nibbles; nibble t of every word
-// makes one 32-lane vector, and x is reordered once per call to match (lane j of vector t is
-// x[4j + t]). Requires group_size % 128 == 0. (Widening bytes to words first, vpmovzxbw, ran
-// ~8.5 cycles per 64 codes; this ~40% fewer instructions.)
+// codes 0..15, two per byte, even k in the low nibble), so
+//   y = sum_g [scale_g D_g + minimum_g S_g],  D_g = sum_{k in g} x_k q_k,  S_g = sum_{k in g} x_k.
+// Codes are read 128 at a time (64 bytes): 16-bit word j of a chunk holds codes 4j .. 4j+3 in its
+// four nibbles, and nibble t of every word makes one vector; x is reordered once per call to match
+// (x' [32 t + j] = x[4 j + t] within each chunk). Requires group_size % 128 == 0.
+constexpr int64_t kChunk = 128;
+
+// x of one call prepared for the INT4 loops: reordered per chunk; `q` holds it as int16 with one
+// scale per row and chunk (`xs`), `S` the exact fp32 group sums.
+struct Int4X {
+  std::vector<int16_t> q;
+  std::vector<float> xs, S;
+#if defined(WB_ISA_AVX512BF16)
+  std::vector<bf16> r;                 // bf16 x reordered, for the vdpbf16ps loop
+#endif
+};
+
+template <class X>
+void prepare_int4_x(const X* x, int64_t M, int64_t K, int64_t gs, bool as_int16, Int4X& out) {
+  const int64_t C = K / kChunk, G = K / gs;
+  if (as_int16) { out.q.resize(M * K); out.xs.resize(M * C); }
+#if defined(WB_ISA_AVX512BF16)
+  if (!as_int16) out.r.resize(M * K);
+#endif
+  out.S.assign(M * G, 0.f);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t c = 0; c < C; c++) {
+      const X* xc = x + m * K + c * kChunk;
+      float v[kChunk], amax = 0.f, sum = 0.f;
+      for (int j = 0; j < 32; j++)
+        for (int t = 0; t < 4; t++) {
+          const float f = static_cast<float>(xc[4 * j + t]);
+          v[32 * t + j] = f;
+          amax = std::max(amax, std::fabs(f));
+          sum += f;
+        }
+      out.S[m * G + c * kChunk / gs] += sum;
+      if (as_int16) {
+        const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+        out.xs[m * C + c] = amax / 32767.f;
+        for (int i = 0; i < kChunk; i++)
+          out.q[m * K + c * kChunk + i] = static_cast<int16_t>(std::nearbyint(v[i] * inv));
+      }
+#if defined(WB_ISA_AVX512BF16)
+      else {
+        for (int i = 0; i < kChunk; i++) out.r[m * K + c * kChunk + i] = bf16(v[i]);
+      }
+#endif
+    }
+}
+
+// The integer product of one chunk of codes with x as int16, for M rows of xq (K apart): d[m]
+// gets lanes whose sum is sum_k xq[m][k] q_k, as fp32. vpmaddwd multiplies 16-bit codes by 16-bit
+// x and adds pairs into 32-bit lanes, exactly: 4 integer ops per 16 or 32 codes, against 8 for
+// widening codes to fp32 (shift, mask, convert, FMA per 8 or 16). The price: x is rounded to
+// 16 bits per chunk (|error| <= max|x| / 65534 per element), far below bf16's 8 bits.
+#if defined(WB_ISA_AVX512)
 template <int M>
-TARGET void int4_rows(const bf16* xr, const float* S, const uint8_t* w, const bf16* scale,
-                      const bf16* minimum, bf16* y, int64_t N, int64_t K, int64_t gs,
-                      int64_t n0, int64_t n1) {
+inline void int4_chunk(const uint8_t* w, const int16_t* xq, int64_t K, Vec* d) {
+  const __m512i low4 = _mm512_set1_epi16(0x0F);
+  const __m512i b = _mm512_loadu_si512(w);
+  const __m512i v[4] = {_mm512_and_si512(b, low4), _mm512_and_si512(_mm512_srli_epi16(b, 4), low4),
+                        _mm512_and_si512(_mm512_srli_epi16(b, 8), low4), _mm512_srli_epi16(b, 12)};
+  for (int m = 0; m < M; m++) {
+    const int16_t* xm = xq + m * K;
+    __m512i s0 = _mm512_madd_epi16(v[0], _mm512_loadu_si512(xm));
+    __m512i s1 = _mm512_madd_epi16(v[1], _mm512_loadu_si512(xm + 32));
+    s0 = _mm512_add_epi32(s0, _mm512_madd_epi16(v[2], _mm512_loadu_si512(xm + 64)));
+    s1 = _mm512_add_epi32(s1, _mm512_madd_epi16(v[3], _mm512_loadu_si512(xm + 96)));
+    d[m] = Vec(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)));
+  }
+}
+#elif defined(WB_ISA_AVX2)
+template <int M>
+inline void int4_chunk(const uint8_t* w, const int16_t* xq, int64_t K, Vec* d) {
+  const __m256i low4 = _mm256_set1_epi16(0x0F);
+  __m256i s[M][2];
+  for (int h = 0; h < 2; h++) {        // words 16h .. 16h + 15 of the chunk
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * h));
+    const __m256i v[4] = {_mm256_and_si256(b, low4), _mm256_and_si256(_mm256_srli_epi16(b, 4), low4),
+                          _mm256_and_si256(_mm256_srli_epi16(b, 8), low4), _mm256_srli_epi16(b, 12)};
+    for (int m = 0; m < M; m++) {
+      const int16_t* xm = xq + m * K + 16 * h;
+      __m256i p[4];
+      for (int t = 0; t < 4; t++)
+        p[t] = _mm256_madd_epi16(v[t], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + 32 * t)));
+      const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]), _mm256_add_epi32(p[2], p[3]));
+      s[m][h] = h == 0 ? sum : _mm256_add_epi32(s[m][0], sum);
+    }
+  }
+  for (int m = 0; m < M; m++) d[m] = Vec(_mm256_cvtepi32_ps(s[m][1]));
+}
+#else
+// Portable: the same integer sums in plain loops (lane j % kLanes of d gets word j's codes).
+template <int M>
+inline void int4_chunk(const uint8_t* w, const int16_t* xq, int64_t K, Vec* d) {
+  int32_t s[M][kLanes] = {};
+  for (int j = 0; j < 32; j++) {
+    const uint32_t word = w[2 * j] | (static_cast<uint32_t>(w[2 * j + 1]) << 8);
+    for (int t = 0; t < 4; t++) {
+      const int32_t q = (word >> (4 * t)) & 0xF;
+      for (int m = 0; m < M; m++) s[m][j % kLanes] += q * xq[m * K + 32 * t + j];
+    }
+  }
+  for (int m = 0; m < M; m++) {
+    float f[kLanes];
+    for (int i = 0; i < kLanes; i++) f[i] = static_cast<float>(s[m][i]);
+    d[m] = Vec::loadu(f);
+  }
+}
+#endif
+
+// Rows n0..n1 of the codes for M rows of prepared x: per chunk, the integer product scaled by
+// scale_g * xs (one FMA per chunk), one horizontal sum per row; minimum_g S_g added at the end.
+template <int M, class Sc, class Finish>
+void int4_rows(const Int4X& xp, int64_t m0, const uint8_t* w, const Sc* scale, const Sc* minimum,
+               int64_t K, int64_t gs, int64_t n0, int64_t n1, const Finish& finish) {
+  const int64_t C = K / kChunk, G = K / gs, per_group = gs / kChunk;
+  const int16_t* xq = xp.q.data() + m0 * K;
+  const float* xs = xp.xs.data() + m0 * C;
+  const float* S = xp.S.data() + m0 * G;
+  for (int64_t n = n0; n < n1; n++) {
+    const uint8_t* wn = w + n * (K / 2);
+    Vec acc[M];
+    float cst[M];
+    for (int m = 0; m < M; m++) { acc[m] = Vec(0.f); cst[m] = 0.f; }
+    for (int64_t g = 0; g < G; g++) {
+      const float sc = static_cast<float>(scale[n * G + g]), mn = static_cast<float>(minimum[n * G + g]);
+      for (int64_t c = g * per_group; c < (g + 1) * per_group; c++) {
+        Vec d[M];
+        int4_chunk<M>(wn + c * kChunk / 2, xq + c * kChunk, K, d);
+        for (int m = 0; m < M; m++) acc[m] = at::vec::fmadd(d[m], Vec(sc * xs[m * C + c]), acc[m]);
+      }
+      for (int m = 0; m < M; m++) cst[m] += mn * S[m * G + g];
+    }
+    for (int m = 0; m < M; m++) finish(m, n, wb::hsum(acc[m]) + cst[m]);
+  }
+}
+
+#if defined(WB_ISA_AVX512BF16)
+// bf16 x on AVX-512 BF16: a code q OR 0x4300 is the bf16 number 128 + q exactly (exponent 2^7, q
+// in the low mantissa bits), so one shift and one vpternlog ((w >> s) & 0xF | 0x4300) turn codes
+// into bf16 lanes that vdpbf16ps multiplies with x directly, products exact:
+//   D_g = sum_{k in g} x_k (128 + q_k) - 128 S_g.
+// D_g stays a 16-lane vector scaled into the row's accumulator: one horizontal sum per row.
+// (Widening bytes to words first, vpmovzxbw, ran ~8.5 cycles per 64 codes; this ~40% fewer
+// instructions.) Output bf16 only.
+template <int M, class Sc>
+void int4_rows_bf16(const Int4X& xp, const uint8_t* w, const Sc* scale, const Sc* minimum,
+                    bf16* y, int64_t N, int64_t K, int64_t gs, int64_t n0, int64_t n1) {
   const int64_t G = K / gs;
+  const bf16* xr = xp.r.data();
+  const float* S = xp.S.data();
   const __m512i low4 = _mm512_set1_epi16(0x0F), b128 = _mm512_set1_epi16(0x4300);
   for (int64_t n = n0; n < n1; n++) {
     const uint8_t* wn = w + n * (K / 2);
@@ -154,7 +371,7 @@ TARGET void int4_rows(const bf16* xr, const float* S, const uint8_t* w, const bf
     for (int64_t g = 0; g < G; g++) {
       __m512 d[M][2];
       for (int m = 0; m < M; m++) d[m][0] = d[m][1] = _mm512_setzero_ps();
-      for (int64_t k = g * gs; k < (g + 1) * gs; k += 128) {
+      for (int64_t k = g * gs; k < (g + 1) * gs; k += kChunk) {
         const __m512i b = _mm512_loadu_si512(wn + k / 2);
         // (a & low4) | b128: vpternlog truth table 0xEA
         const __m512i v0 = _mm512_ternarylogic_epi32(b, low4, b128, 0xEA);
@@ -169,7 +386,7 @@ TARGET void int4_rows(const bf16* xr, const float* S, const uint8_t* w, const bf
           d[m][1] = _mm512_dpbf16_ps(d[m][1], (__m512bh)_mm512_loadu_si512(xm + 96), (__m512bh)v3);
         }
       }
-      const float sc = float(scale[n * G + g]), mn = float(minimum[n * G + g]);
+      const float sc = static_cast<float>(scale[n * G + g]), mn = static_cast<float>(minimum[n * G + g]);
       for (int m = 0; m < M; m++) {
         acc[m] = _mm512_fmadd_ps(_mm512_add_ps(d[m][0], d[m][1]), _mm512_set1_ps(sc), acc[m]);
         cst[m] += S[m * G + g] * (mn - 128.f * sc);
@@ -178,138 +395,203 @@ TARGET void int4_rows(const bf16* xr, const float* S, const uint8_t* w, const bf
     for (int m = 0; m < M; m++) y[m * N + n] = bf16(_mm512_reduce_add_ps(acc[m]) + cst[m]);
   }
 }
+#endif
 
+// ---------------------------------------------------------------------------------------- checks
 void check_x(const at::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-              "x must be a contiguous (M, ", K, ") bf16 tensor, got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.is_contiguous() &&
+              (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "x must be a contiguous (M, ", K, ") bf16 or fp32 tensor, got ", x.sizes(), " ",
+              x.scalar_type());
 }
-
 
 void check_y(const at::Tensor& y, const at::Tensor& x, int64_t M, int64_t N) {
   TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) == N && y.is_contiguous() &&
               y.scalar_type() == x.scalar_type(), "y must be a contiguous (", M, ", ", N, ") tensor "
-              "of x's dtype, got ", y.sizes());
+              "of x's dtype, got ", y.sizes(), " ", y.scalar_type());
+}
+
+void check_2d(const at::Tensor& x, const at::Tensor& w, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "x and ", name, " must be 2-D, got ", x.sizes(),
+              " and ", w.sizes());
+}
+
+// A bf16 or fp32 parameter (scale) in x's dtype for aten's kernels, which want that.
+at::Tensor as_x_dtype(const at::Tensor& t, const at::Tensor& x) {
+  return t.scalar_type() == x.scalar_type() ? t : t.to(x.scalar_type());
+}
+
+// aten's INT4 scale/zero pairs in x's dtype: the given ones, or rebuilt in fp32 from scale and
+// minimum as Int4Linear._aten_pack does (aten computes (q - 8) scale + zero), so fp32 x never sees
+// a zero point rounded to bf16.
+at::Tensor aten_scale_zero_for(const at::Tensor& x, const at::Tensor& scale,
+                               const at::Tensor& minimum, const at::Tensor& scale_zero) {
+  if (scale_zero.scalar_type() == x.scalar_type()) return scale_zero;
+  const at::Tensor s = scale.to(at::kFloat), zero = minimum.to(at::kFloat) + 8 * s;
+  return at::stack({s, zero}, -1).transpose(0, 1).contiguous().to(x.scalar_type());
 }
 
 }  // namespace
 
-void linear_bf16_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
+// --------------------------------------------------------------------------------- bf16 / fp32 w
+void linear_fp32_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
+  check_2d(x, w, "w");
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   check_y(y, x, M, N);
-  if (M > kMaxRows) {            // torch's GEMM: the kernel at::linear runs for a 2-D x, no bias
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "fp32 w needs fp32 x, got ", x.scalar_type());
+  if (M > kMaxRowsFp32Dense) {
     at::mm_out(y, x, w.t());
     return;
   }
   check_x(x, K);
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kFloat, "w must be contiguous fp32");
+  dense_linear<float>(x, w.data_ptr<float>(), kNoScale, y);
+}
+
+void linear_bf16_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
+  check_2d(x, w, "w");
+  if (w.scalar_type() == at::kFloat) return linear_fp32_into(x, w, y);
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+  check_y(y, x, M, N);
+  const bool fp32 = x.scalar_type() == at::kFloat;
+  if (!fp32 && M > kMaxRows) {   // torch's GEMM: the kernel at::linear runs for a 2-D x, no bias
+    at::mm_out(y, x, w.t());
+    return;
+  }
+  if (fp32 && M > kMaxRowsFp32Dense) {   // prefill: w widened once, then torch's fp32 GEMM
+    at::mm_out(y, x, w.to(at::kFloat).t());
+    return;
+  }
+  check_x(x, K);
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kBFloat16, "w must be contiguous bf16");
-  auto xp = x.data_ptr<bf16>(), wp = w.data_ptr<bf16>(), yp = y.data_ptr<bf16>();
-  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
-    if (M == 1) bf16_rows<1>(xp, wp, yp, N, K, n0, n1);
-    else bf16_rows<2>(xp, wp, yp, N, K, n0, n1);
-  });
+  if (fp32) dense_linear<bf16>(x, w.data_ptr<bf16>(), kNoScale, y);
+  else bf16_bf16_linear(x, w, y);
 }
 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
-  if (x.size(0) > kMaxRows) return at::linear(x, w);
+  check_2d(x, w, "w");
+  if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && x.size(0) > kMaxRows)
+    return at::linear(x, w);
   auto y = at::empty({x.size(0), w.size(0)}, x.options());
   linear_bf16_into(x, w, y);
   return y;
 }
 
+at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& w) {
+  check_2d(x, w, "w");
+  auto y = at::empty({x.size(0), w.size(0)}, x.options());
+  linear_fp32_into(x, w, y);
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------- int8
+// Weight-only INT8 (one scale per output row), the format of Int8Linear and of the LM head of
+// every quantized model: the dense loop with int8 widened to fp32 (vpmovsxbd, vcvtdq2ps), the
+// row's sum times its scale, rounded once (the formula of aten's _weight_int8pack_mm).
 void linear_int8_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                       at::Tensor& y) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "x and w must be 2-D, got ", x.sizes(), " and ", w.sizes());
+  check_2d(x, w, "w");
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   check_y(y, x, M, N);
+  const int64_t max_rows = x.scalar_type() == at::kFloat ? kMaxRowsFp32Int8 : kMaxRows;
   // aten's kernel crashes (SIGSEGV, torch 2.13) on 2+ rows when K % 16 != 0; such shapes run
-  // this loop two rows at a time instead.
-  if (M > kMaxRows && K % 16 == 0) {
-    y.copy_(at::_weight_int8pack_mm(x, w, scale));
-    return;
-  }
-  if (M > kMaxRows) {
-    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-      const int64_t m1 = std::min(M, m0 + kMaxRows);
-      at::Tensor part = y.slice(0, m0, m1);         // whole rows: contiguous
-      linear_int8_into(x.slice(0, m0, m1), w, scale, part);
-    }
+  // the loop, tiled.
+  if (M > max_rows && K % 16 == 0) {
+    y.copy_(at::_weight_int8pack_mm(x, w, as_x_dtype(scale, x)));
     return;
   }
   check_x(x, K);
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kChar, "w must be contiguous int8");
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.is_contiguous() &&
-              scale.scalar_type() == at::kBFloat16, "scale must be a contiguous (", N, ",) bf16 tensor");
-  // x widened once, in a plain loop (a torch op here costs a few us a call, 121 calls a step)
-  std::vector<float> xf(M * K);
-  const bf16* xs = x.data_ptr<bf16>();
-  for (int64_t i = 0; i < M * K; i++) xf[i] = float(xs[i]);
-  auto xp = xf.data(); auto wp = w.data_ptr<int8_t>();
-  auto sp = scale.data_ptr<bf16>(); auto yp = y.data_ptr<bf16>();
-  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
-    if (M == 1) int8_rows<1>(xp, wp, sp, yp, N, K, n0, n1);
-    else int8_rows<2>(xp, wp, sp, yp, N, K, n0, n1);
-  });
+              (scale.scalar_type() == at::kBFloat16 || scale.scalar_type() == at::kFloat),
+              "scale must be a contiguous (", N, ",) bf16 or fp32 tensor, got ", scale.sizes(),
+              " ", scale.scalar_type());
+  if (scale.scalar_type() == at::kFloat)
+    dense_linear<int8_t>(x, w.data_ptr<int8_t>(), scale.data_ptr<float>(), y);
+  else
+    dense_linear<int8_t>(x, w.data_ptr<int8_t>(), scale.data_ptr<bf16>(), y);
 }
 
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "x and w must be 2-D, got ", x.sizes(), " and ", w.sizes());
+  check_2d(x, w, "w");
   auto y = at::empty({x.size(0), w.size(0)}, x.options());
   linear_int8_into(x, w, scale, y);
   return y;
 }
 
-// x (M, K) bf16 with K padded to whole groups; packed (N, K/2) uint8; scale, minimum (N, K/gs)
-// bf16. M > kMaxRows runs aten's kernel on its own layout of the same weights (aten_packed,
-// aten_scale_zero: Int4Linear._aten_pack), as the layer does without this kernel.
+// ---------------------------------------------------------------------------------------- int4
+namespace {
+
+template <class Sc>
+void int4_loop(const at::Tensor& x, const uint8_t* w, const Sc* scale, const Sc* minimum,
+               int64_t gs, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
+  Int4X xp;
+#if defined(WB_ISA_AVX512BF16)
+  if (x.scalar_type() == at::kBFloat16) {    // products of bf16 x with 128 + q are exact
+    prepare_int4_x(x.data_ptr<bf16>(), M, K, gs, false, xp);
+    bf16* yp = y.data_ptr<bf16>();
+    at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
+      if (M == 1) int4_rows_bf16<1>(xp, w, scale, minimum, yp, N, K, gs, n0, n1);
+      else int4_rows_bf16<2>(xp, w, scale, minimum, yp, N, K, gs, n0, n1);
+    });
+    return;
+  }
+#endif
+  if (x.scalar_type() == at::kFloat) prepare_int4_x(x.data_ptr<float>(), M, K, gs, true, xp);
+  else prepare_int4_x(x.data_ptr<bf16>(), M, K, gs, true, xp);
+  with_y(y, [&](auto* yp) {
+    using Y = std::remove_pointer_t<decltype(yp)>;
+    at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
+      for_tiles<kTileInt4>(M, [&](auto rows, int64_t m0) {
+        Y* yt = yp + m0 * N;
+        auto finish = [&](int m, int64_t n, float sum) { yt[m * N + n] = static_cast<Y>(sum); };
+        int4_rows<decltype(rows)::value>(xp, m0, w, scale, minimum, K, gs, n0, n1, finish);
+      });
+    });
+  });
+}
+
+}  // namespace
+
+// x (M, K) bf16 or fp32 with K padded to whole groups; packed (N, K/2) uint8; scale, minimum
+// (N, K/gs) bf16 or fp32. Above the loop's rows, aten's kernel on its own layout of the same
+// weights (aten_packed, aten_scale_zero: Int4Linear._aten_pack), as the layer does without this
+// kernel.
 void linear_int4_into(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                       const at::Tensor& minimum, int64_t group_size, const at::Tensor& aten_packed,
                       const at::Tensor& aten_scale_zero, at::Tensor& y) {
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 2, "x and packed must be 2-D, got ", x.sizes(),
-              " and ", packed.sizes());
+  check_2d(x, packed, "packed");
   const int64_t M = x.size(0), N = packed.size(0), K = packed.size(1) * 2;
   check_y(y, x, M, N);
-  if (M > kMaxRows) {
-    y.copy_(at::_weight_int4pack_mm_for_cpu(x, aten_packed, group_size, aten_scale_zero));
+  const int64_t max_rows = x.scalar_type() == at::kFloat ? kMaxRowsFp32Int4 : kMaxRows;
+  if (M > max_rows) {
+    y.copy_(at::_weight_int4pack_mm_for_cpu(
+        x, aten_packed, group_size, aten_scale_zero_for(x, scale, minimum, aten_scale_zero)));
     return;
   }
   check_x(x, K);
-  TORCH_CHECK(group_size > 0 && group_size % 128 == 0 && K % group_size == 0,
+  TORCH_CHECK(group_size > 0 && group_size % kChunk == 0 && K % group_size == 0,
               "group_size must be a multiple of 128 dividing ", K, ", got ", group_size);
   TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kByte, "packed must be contiguous uint8");
   const int64_t G = K / group_size;
   for (const at::Tensor* t : {&scale, &minimum})
     TORCH_CHECK(t->dim() == 2 && t->size(0) == N && t->size(1) == G && t->is_contiguous() &&
-                t->scalar_type() == at::kBFloat16, "scale and minimum must be contiguous (", N, ", ",
-                G, ") bf16 tensors, got ", t->sizes(), " ", t->scalar_type());
-  // reorder x per 128-code chunk (lane j of vector t is x[4j + t]); S = group sums.
-  // (Plain loops: as torch ops these cost ~8 us a call, a sixth of a 3072 x 576 product.)
-  std::vector<bf16> xr(M * K);
-  std::vector<float> S(M * G, 0.f);
-  const bf16* xs = x.data_ptr<bf16>();
-  for (int64_t m = 0; m < M; m++)
-    for (int64_t c = 0; c < K; c += 128) {
-      float sum = 0.f;
-      for (int64_t j = 0; j < 32; j++)
-        for (int64_t t = 0; t < 4; t++) {
-          const bf16 v = xs[m * K + c + 4 * j + t];
-          xr[m * K + c + 32 * t + j] = v;
-          sum += float(v);
-        }
-      S[m * G + c / group_size] += sum;
-    }
-  auto xpp = xr.data(); auto Sp = S.data(); auto wp = packed.data_ptr<uint8_t>();
-  auto sp = scale.data_ptr<bf16>(); auto mp = minimum.data_ptr<bf16>(); auto yp = y.data_ptr<bf16>();
-  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
-    if (M == 1) int4_rows<1>(xpp, Sp, wp, sp, mp, yp, N, K, group_size, n0, n1);
-    else int4_rows<2>(xpp, Sp, wp, sp, mp, yp, N, K, group_size, n0, n1);
-  });
+                t->scalar_type() == scale.scalar_type() &&
+                (t->scalar_type() == at::kBFloat16 || t->scalar_type() == at::kFloat),
+                "scale and minimum must be contiguous (", N, ", ", G, ") tensors, both bf16 or "
+                "both fp32, got ", t->sizes(), " ", t->scalar_type());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  if (scale.scalar_type() == at::kFloat)
+    int4_loop(x, wp, scale.data_ptr<float>(), minimum.data_ptr<float>(), group_size, y);
+  else
+    int4_loop(x, wp, scale.data_ptr<bf16>(), minimum.data_ptr<bf16>(), group_size, y);
 }
 
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                        const at::Tensor& minimum, int64_t group_size, const at::Tensor& aten_packed,
                        const at::Tensor& aten_scale_zero) {
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 2, "x and packed must be 2-D, got ", x.sizes(),
-              " and ", packed.sizes());
+  check_2d(x, packed, "packed");
   auto y = at::empty({x.size(0), packed.size(0)}, x.options());
   linear_int4_into(x, packed, scale, minimum, group_size, aten_packed, aten_scale_zero, y);
   return y;
@@ -319,11 +601,13 @@ TORCH_LIBRARY(workbench_cpu, m) {
   m.def("linear_int4(Tensor x, Tensor packed, Tensor scale, Tensor minimum, int group_size, "
         "Tensor aten_packed, Tensor aten_scale_zero) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor w) -> Tensor");
+  m.def("linear_fp32(Tensor x, Tensor w) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor w, Tensor scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(workbench_cpu, CPU, m) {
   m.impl("linear_bf16", &linear_bf16);
+  m.impl("linear_fp32", &linear_fp32);
   m.impl("linear_int8", &linear_int8);
   m.impl("linear_int4", &linear_int4);
 }

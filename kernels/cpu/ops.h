@@ -3,13 +3,17 @@
 #pragma once
 #include <ATen/ATen.h>
 
-// y = x @ w.T for bf16 x (M, K) and w (N, K) into y (M, N); M <= 2 runs the AVX-512 BF16 loop,
-// larger M torch's GEMM (gemv.cpp).
+// y = x @ w.T for x (M, K) bf16 or fp32 and w (N, K) bf16 into y (M, N) of x's dtype (an fp32 w
+// goes to linear_fp32_into); few rows run the loops of gemv.cpp, more rows torch's GEMM.
 void linear_bf16_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
 
-// The same for INT8 weight-only w (N, K) int8 with a bf16 scale per row, and for group-wise INT4
-// (packed (N, K/2) codes, scale and minimum (N, K/group_size), x padded to K; above 2 rows aten's
-// kernel on its own layout aten_packed / aten_scale_zero) (gemv.cpp).
+// The same for fp32 x and fp32 w (N, K).
+void linear_fp32_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
+
+// The same for INT8 weight-only w (N, K) int8 with a bf16 or fp32 scale per row, and for
+// group-wise INT4 (packed (N, K/2) codes, scale and minimum (N, K/group_size), x padded to K; for
+// more rows aten's kernel on its own layout aten_packed / aten_scale_zero) (gemv.cpp). x bf16 or
+// fp32, y of x's dtype.
 void linear_int8_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                       at::Tensor& y);
 void linear_int4_into(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
