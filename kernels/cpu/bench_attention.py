@@ -97,7 +97,8 @@ def run(dtype, against: bool) -> None:
                 times[name].append(per_call_us(sides[name], caches))
     ratios = [t / c for t, c in zip(times["torch"], times["cpu"])]
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    print(f"{best_isa()} {str(dtype).replace('torch.', '')}: paged_decode {med['kernel']:.0f} us "
+    name = str(dtype).replace("torch.", "")
+    print(f"{best_isa()} {torch.get_num_threads()} threads {name}: paged_decode {med['kernel']:.0f} us "
           f"per layer call (pairs: {', '.join(f'{t:.0f}' for t in times['kernel'])}); "
           f"cpu backend {med['cpu']:.0f} us, torch backend {med['torch']:.0f} us: "
           f"torch / cpu {statistics.median(ratios):.2f}x "
@@ -115,7 +116,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("dtypes", nargs="*", help="bf16, fp32 (default: both)")
     parser.add_argument("--against", help="a kernels/cpu folder to A/B against")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.against:
         load_reference(args.against)
     for name in args.dtypes or ["bf16", "fp32"]:

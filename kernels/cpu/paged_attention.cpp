@@ -1,5 +1,8 @@
-// Paged decode attention for x86 CPUs with AVX-512: each new query reads its sequence's keys and
-// values where they lie in the block pool, with no gather into a padded batch.
+// Paged decode attention for CPUs (every build of kernels/cpu: AVX-512 BF16, AVX-512, AVX2, and a
+// portable one for ARM and others): each new query reads its sequence's keys and values where they
+// lie in the block pool, with no gather into a padded batch. fp32 arithmetic is ATen's
+// Vectorized<float>; bf16 conversions, the bf16 dot product and the transpose-sums are per ISA
+// (vec_math.h).
 //
 // Why hand-written: the plain-PyTorch backend (workbench/attention/torch_backend.py) copies every
 // sequence's K/V out of the paged cache into a padded (n, max_len) batch and then calls SDPA, so in
@@ -12,10 +15,10 @@
 // seq_lens[s] cached positions (a decode query sees its whole context, itself included).
 // Position t of sequence s is slot block_tables[s, t / block_size] * block_size + t % block_size.
 //
-// Two kernels. bf16 with a compiled-in shape (G <= 4, D = 64 or 128) runs attend_rows_bf16: a task
+// Three kernels. bf16 with a compiled-in shape (G <= 4, D = 64 or 128) runs attend_rows: a task
 // is a whole sequence (all its kv heads, so whole cache rows are read), with rows prefetched
-// ahead and scores computed 16 positions at a time. Otherwise (fp32, other shapes) work is split
-// by (sequence, kv head). In both, the G = H / KVH query heads that share a kv head
+// ahead and scores computed 16 positions at a time. Otherwise work is split by (sequence, kv
+// head): attend_fixed for fp32 with a compiled-in shape, attend_one for any other. In both, the G = H / KVH query heads that share a kv head
 // (grouped-query attention) load each key and value row once. Scores, softmax and the
 // weighted sum of values are in fp32; the result is rounded to the query's dtype once. Each
 // sequence is computed on its own, so its result does not depend on which others share its step
@@ -43,7 +46,7 @@ using wb::kLanes;
 inline float softmax_unnormalized(float* row, int64_t L) {
   Vec mx(-INFINITY);
   int64_t t = 0;
-  for (; t + kLanes <= L; t += kLanes) mx = at::vec::maximum(mx, Vec::loadu(row + t));
+  for (; t + kLanes <= L; t += kLanes) mx = wb::vmax(mx, Vec::loadu(row + t));
   float m = wb::reduce_max(mx);
   for (; t < L; ++t) m = std::max(m, row[t]);
   Vec sum(0.0f);
@@ -115,6 +118,58 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, T* out, const in
       wb::store(out + g * D + c * kLanes, Vec::loadu(acc + g * D + c * kLanes) * Vec(inv[g]));
 }
 
+// The same computation with G and D known at compile time (fp32 caches; G <= 4 query heads per kv
+// head, D = 64 or 128): queries and output accumulators live in registers, and the loops over
+// heads and chunks unroll. Measured at 48 sequences x ~230 positions, G=3, D=64, bf16, one layer
+// (AVX-512): 0.95 ms with the general loop above, 0.68 ms with this one (2-core VM). fp32 stays
+// here rather than in attend_rows: an attend_rows<float> took 2363 vs 2220 us per layer call under
+// AVX512-BF16 flags, 2261 vs 2228 under AVX2 (medians of 7 rounds, one thread, `python -m
+// kernels.cpu.bench_attention fp32 --threads 1`); gather + SDPA / this = 2.5x (AVX-512), 2.2x
+// (AVX2) there.
+template <typename T, int kG, int kD>
+void attend_fixed(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* blocks,
+                  int64_t L, int64_t block_size, int64_t kv_stride, float scale,
+                  std::vector<float>& buf) {
+  constexpr int kC = kD / kLanes;
+  buf.resize(kG * L);
+  float* scores = buf.data();        // (G, L)
+  Vec qr[kG][kC];
+  for (int g = 0; g < kG; ++g)
+    for (int c = 0; c < kC; ++c) qr[g][c] = wb::load(q + (g * kC + c) * kLanes) * Vec(scale);
+  for (int64_t t0 = 0; t0 < L; t0 += block_size) {
+    const T* kb = k_cache + blocks[t0 / block_size] * block_size * kv_stride;
+    const int64_t n = std::min(block_size, L - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      Vec kr[kC];
+      for (int c = 0; c < kC; ++c) kr[c] = wb::load(kb + j * kv_stride + c * kLanes);
+      for (int g = 0; g < kG; ++g) {
+        Vec s = qr[g][0] * kr[0];
+        for (int c = 1; c < kC; ++c) s = at::vec::fmadd(qr[g][c], kr[c], s);
+        scores[g * L + t0 + j] = wb::reduce_add(s);
+      }
+    }
+  }
+  float inv[kG];
+  for (int g = 0; g < kG; ++g) inv[g] = softmax_unnormalized(scores + g * L, L);
+  Vec acc[kG][kC];
+  for (int g = 0; g < kG; ++g)
+    for (int c = 0; c < kC; ++c) acc[g][c] = Vec(0.0f);
+  for (int64_t t0 = 0; t0 < L; t0 += block_size) {
+    const T* vb = v_cache + blocks[t0 / block_size] * block_size * kv_stride;
+    const int64_t n = std::min(block_size, L - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      for (int c = 0; c < kC; ++c) {
+        const Vec vv = wb::load(vb + j * kv_stride + c * kLanes);
+        for (int g = 0; g < kG; ++g)
+          acc[g][c] = at::vec::fmadd(Vec(scores[g * L + t0 + j]), vv, acc[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < kG; ++g)
+    for (int c = 0; c < kC; ++c)
+      wb::store(out + (g * kC + c) * kLanes, acc[g][c] * Vec(inv[g]));
+}
+
 // ---- compiled-in shapes: one sequence's kv heads [h0, h1) in one pass over its blocks ------------
 //
 // Why: a loop over one (sequence, kv head) at a time reads 128 of every 384 bytes of each bf16
@@ -131,10 +186,14 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, T* out, const in
 //   dims), so the accumulators hold the head's dims in even/odd order until the end.
 // Result on that shape: 750 -> ~420 us per layer call (16 GB/s), 225 -> 165 us with the cache in
 // L3. A kernel that only reads the same rows in the same order takes ~300-330 us here: what is
-// left is mostly the cost of the scattered blocks, not arithmetic.
+// left is mostly the cost of the scattered blocks, not arithmetic. On the 48 x ~230 shape, gather
+// + SDPA / this = 10x (AVX512-BF16) and 7.7x (AVX2, one thread); AVX2 runs it as fast as
+// AVX512-BF16 does (1568 vs 1633-1730 us, one thread, loaded VM): the rows' memory sets the time
+// (`python -m kernels.cpu.bench_attention bf16 --threads 1`, WORKBENCH_ISA=avx2 for AVX2).
 
 // How a row type is read: kStep values per chunk; a query chunk prepared once (Q) and dotted with
 // key chunks; a value chunk widened into kVPer fp32 vectors; the accumulators put back in dim order.
+// Only bf16 rows are compiled in (fp32 runs attend_fixed, see there).
 template <typename T> struct Rows;
 
 template <> struct Rows<bf16> {
@@ -152,16 +211,6 @@ template <> struct Rows<bf16> {
   }
 };
 
-template <> struct Rows<float> {
-  static constexpr int kStep = kLanes, kVPer = 1;
-  using Q = Vec;
-  static Q load_q(const float* q) { return Vec::loadu(q); }
-  static Vec dot(Vec acc, const Q& q, const float* k) { return at::vec::fmadd(q, Vec::loadu(k), acc); }
-  static void values(const float* v, Vec* out) { out[0] = Vec::loadu(v); }
-  static void finish(const float* a, float inv, float* o, int D) {
-    for (int i = 0; i < D; ++i) o[i] = a[i] * inv;
-  }
-};
 
 // Row pointers of positions [t0, t0 + 16) (nullptr past L), walking the block table.
 template <typename T>
@@ -345,13 +394,24 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   T* op = out.data_ptr<T>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  using Fixed = void (*)(const T*, const T*, const T*, T*, const int64_t*, int64_t, int64_t,
+                         int64_t, float, std::vector<float>&);
+  Fixed fixed = nullptr;
+#define WB_CASE(g, d) if (G == g && D == d) fixed = &attend_fixed<T, g, d>;
+  WB_CASE(1, 64) WB_CASE(2, 64) WB_CASE(3, 64) WB_CASE(4, 64)
+  WB_CASE(1, 128) WB_CASE(2, 128) WB_CASE(3, 128) WB_CASE(4, 128)
+#undef WB_CASE
   at::parallel_for(0, S * KVH, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> buf;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t s = i / KVH, h = i % KVH;
-      attend_one<T>(qp + (s * H + h * G) * D, kp + h * D, vp + h * D, op + (s * H + h * G) * D,
-                    bt + s * max_blocks, lens[s], block_size, KVH * D, G, D,
-                    static_cast<float>(scale), buf);
+      if (fixed != nullptr)
+        fixed(qp + (s * H + h * G) * D, kp + h * D, vp + h * D, op + (s * H + h * G) * D,
+              bt + s * max_blocks, lens[s], block_size, KVH * D, static_cast<float>(scale), buf);
+      else
+        attend_one<T>(qp + (s * H + h * G) * D, kp + h * D, vp + h * D, op + (s * H + h * G) * D,
+                      bt + s * max_blocks, lens[s], block_size, KVH * D, G, D,
+                      static_cast<float>(scale), buf);
     }
   });
 }
@@ -402,8 +462,7 @@ void paged_decode_into(const at::Tensor& q, const at::Tensor& k_cache, const at:
   if (q.scalar_type() == at::kBFloat16) {
     if (!decode_rows<bf16>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out))
       decode_all<bf16>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out);
-  } else if (!decode_rows<float>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale,
-                                 out)) {
+  } else {
     decode_all<float>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out);
   }
 }

@@ -122,6 +122,15 @@ inline Vec round_bf16(Vec v) {
 }
 #endif
 
+// Lane-wise max without Vectorized's NaN propagation (scores are finite): one instruction on x86.
+#if defined(WB_ISA_AVX512)
+inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+#elif defined(WB_ISA_AVX2)
+inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+#else
+inline Vec vmax(Vec a, Vec b) { return at::vec::maximum(a, b); }
+#endif
+
 // ---- reductions -------------------------------------------------------------------------------
 
 #if defined(WB_ISA_AVX512)
@@ -205,7 +214,7 @@ inline Vec times_pow2(Vec v, Vec n) {
 // e^x for x <= 0 (softmax scores minus their max; -|x| in silu): x = n ln2 + r with |r| <= ln2 / 2,
 // e^r by its degree-7 Taylor polynomial (relative error < 1e-7 on that interval), times 2^n.
 inline Vec exp_nonpositive(Vec x) {
-  x = at::vec::maximum(x, Vec(-87.0f));
+  x = vmax(x, Vec(-87.0f));
   const Vec n = (x * Vec(1.44269504088896341f)).round();
   Vec r = at::vec::fnmadd(n, Vec(0.693145751953125f), x);          // ln2, high bits
   r = at::vec::fnmadd(n, Vec(1.42860682030941723212e-6f), r);      // ln2, the rest
