@@ -22,7 +22,7 @@ from workbench.config import EngineConfig
 OK, WHY = available()
 needs_kernels = pytest.mark.skipif(not OK, reason=f"CPU kernels unavailable: {WHY}")
 SHAPES = [(960, 576), (577, 1536), (13, 40), (4, 33), (7, 130)]   # real layers, odd N, K tails
-ROWS = [1, 2, 3, 8, 64]
+ROWS = [1, 2, 3, 8, 64, 80]                      # 80: above the fp32 loops
 X_DTYPES = [torch.bfloat16, torch.float32]
 U = 2.0 ** -24                                                    # fp32 unit roundoff
 
@@ -159,20 +159,26 @@ INT4_SHAPES = [(960, 576, 128), (576, 1536, 128), (48, 130, 128), (64, 1024, 256
                          ids=["x_bf16", "x_fp32", "x_fp32-scale_bf16"])
 def test_int4_weights_give_the_exact_product(x_dtype, w_dtype, rows, n, k, group):
     """Group-wise INT4 (scale and minimum in w_dtype): within the bound of the exact product of x
-    and the layer's weight; bf16 x above the loop's rows is aten's very result."""
+    and the layer's weight; bf16 x above the loop's rows is aten's very result. x may come
+    unpadded (k columns) or padded to whole groups, with the same result."""
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     layer = int4_layer(n, k, group, w_dtype, g)
-    x = layer._pad(torch.randn(rows, k, generator=g).to(x_dtype)).contiguous()
+    unpadded = torch.randn(rows, k, generator=g).to(x_dtype)
+    x = layer._pad(unpadded).contiguous()
     aten_packed, _, aten_scale_zero = layer._aten_pack(w_dtype)
     out = torch.ops.workbench_cpu.linear_int4(x, layer.packed, layer.scale, layer.minimum, group,
                                               aten_packed, aten_scale_zero)
     assert out.dtype == x_dtype and out.shape == (rows, n)
+    out_unpadded = torch.ops.workbench_cpu.linear_int4(unpadded, layer.packed, layer.scale,
+                                                       layer.minimum, group, aten_packed,
+                                                       aten_scale_zero)
     exact, bound = int4_exact_and_bound(layer, x, group)
     if x_dtype == torch.bfloat16 and rows > MAX_ROWS:
         aten = torch.ops.aten._weight_int4pack_mm_for_cpu(x, aten_packed, group, aten_scale_zero)
-        assert torch.equal(out, aten)
+        assert torch.equal(out, aten) and torch.equal(out_unpadded, aten)
     else:
         assert_close(out, exact, bound)
+        assert_close(out_unpadded, exact, bound)      # fp32 GEMM above 64 rows: another K
 
 
 @needs_kernels
@@ -189,8 +195,9 @@ def test_int4_bad_inputs_are_named():
                                            r"tensors, both bf16 or both fp32"):
         torch.ops.workbench_cpu.linear_int4(torch.randn(1, 128), layer.packed, layer.scale,
                                             layer.minimum.float(), 128, p, sz)
-    with pytest.raises(RuntimeError, match=r"x must be a contiguous \(M, 128\) bf16 or fp32"):
-        torch.ops.workbench_cpu.linear_int4(torch.randn(1, 120), layer.packed, layer.scale,
+    with pytest.raises(RuntimeError, match=r"x must be a contiguous \(M, K\) bf16 or fp32 tensor "
+                                           r"with K <= 128 \(zero-padded to it\), got \[1, 136\]"):
+        torch.ops.workbench_cpu.linear_int4(torch.randn(1, 136), layer.packed, layer.scale,
                                             layer.minimum, 128, p, sz)
 
 

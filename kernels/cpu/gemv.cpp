@@ -49,12 +49,24 @@ using wb::Vec;
 
 constexpr int64_t kMaxRows = 2;        // bf16 x: M up to this runs the loops (measured crossover)
 constexpr int64_t kGrain = 32;         // weight rows per thread task, at least
-// fp32 x: the loops run up to these many rows, torch's kernels above (see linear_*_into).
-constexpr int64_t kMaxRowsFp32Dense = 8;
-constexpr int64_t kMaxRowsFp32Int8 = 8;
-constexpr int64_t kMaxRowsFp32Int4 = 8;
-constexpr int64_t kTileDense = 4;      // rows per pass over the weights (bf16/fp32/int8 loops)
-constexpr int64_t kTileInt4 = 2;       // rows per pass over the codes (INT4 loop)
+constexpr int64_t kBlock = 64;         // weight rows per block, read by every tile of x while in L2
+// fp32 x: the loops run up to these many rows; above, the weight widened to fp32 once and torch's
+// GEMM. (aten's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu take fp32 x in torch 2.13 but
+// ran 14-90x slower than these loops at every M from 1 to 64, so fp32 x never goes to them.)
+// Loop vs widen-and-GEMM per call, 1 thread, SmolLM2's layers and LM head (python -m
+// kernels.cpu.bench --x fp32 --vs widened --rows 16,64 --threads 1): AVX2 at M=64, bf16 w 0.89-1.06x
+// on the layers and 2.5x on the LM head, int8 1.0-1.2x (4.2x), int4 1.2-1.7x (5.6x); fp32 w at
+// M=16 1.04-1.16x (1.8x), at M=64 0.90-1.09x (0.90x). AVX-512 at M=64: bf16 and fp32 w 1.2-1.8x,
+// int8 1.6-2.6x, int4 1.5-3.6x, LM head 1.7-10.6x.
+constexpr int64_t kMaxRowsFp32Bf16 = 64;
+#if defined(WB_ISA_AVX512)
+constexpr int64_t kMaxRowsFp32Fp32 = 64;
+#else
+constexpr int64_t kMaxRowsFp32Fp32 = 16;
+#endif
+constexpr int64_t kMaxRowsFp32Quant = 64;
+constexpr int64_t kTileDense = 4;      // rows of x per pass over a block (bf16/fp32/int8 loops)
+constexpr int64_t kTileInt4 = 2;       // rows of x per pass over a block (INT4 loop)
 
 template <int R>
 using Rows = std::integral_constant<int, R>;
@@ -73,6 +85,13 @@ void for_tiles(int64_t M, const Fn& fn) {
   }
 }
 
+// Calls fn(b0, b1) for blocks of kBlock weight rows in [n0, n1): every tile of x reads a block
+// while it is in L2, so the weights stream from memory once per call whatever M is.
+template <class Fn>
+void for_blocks(int64_t n0, int64_t n1, const Fn& fn) {
+  for (int64_t b0 = n0; b0 < n1; b0 += kBlock) fn(b0, std::min(n1, b0 + kBlock));
+}
+
 inline Vec load_w(const float* p) { return wb::load_fp32(p); }
 inline Vec load_w(const bf16* p) { return wb::load_bf16(p); }
 inline Vec load_w(const int8_t* p) { return wb::load_int8(p); }
@@ -82,7 +101,10 @@ inline Vec load_w(const int8_t* p) { return wb::load_int8(p); }
 // one sequential stream, the pattern hardware prefetchers follow best. (Interleaving 4 rows to
 // reuse each load of x ran 19-21 GB/s against 24-26 for one row at a time, on the 2-core AMD EPYC
 // VM; x is a few KB and stays in L1.) C accumulators per x row hide the FMA latency. finish(m, n,
-// sum) stores the row's fp32 sum.
+// sum) stores the row's fp32 sum. M=1, 1 thread, torch/ours (python -m kernels.cpu.bench --threads
+// 1 --formats bf16,fp32,int8): fp32 x, bf16 w 1.3-1.6x the fp32 F.linear on AVX2 and 1.9-2.6x on
+// AVX-512 (LM head 4.2x / 4.7x), fp32 w 1.2-1.3x / 1.3-1.7x (LM head 2.4x / 2.7x), int8 w 14-19x /
+// 20-35x aten's int8 kernel with fp32 x; bf16 x, int8 w 1.2-1.3x / 1.1-1.3x (LM head 2.1x / 1.8x).
 template <int M, class T, class Finish>
 void dense_rows(const float* x, const T* w, int64_t K, int64_t n0, int64_t n1,
                 const Finish& finish) {
@@ -141,12 +163,14 @@ void dense_linear(const at::Tensor& x, const T* w, const S* scale, at::Tensor& y
   with_y(y, [&](auto* yp) {
     using Y = std::remove_pointer_t<decltype(yp)>;
     at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
-      for_tiles<kTileDense>(M, [&](auto rows, int64_t m0) {
-        Y* yt = yp + m0 * N;
-        auto finish = [&](int m, int64_t n, float sum) {
-          yt[m * N + n] = static_cast<Y>(scale ? sum * static_cast<float>(scale[n]) : sum);
-        };
-        dense_rows<decltype(rows)::value>(xf + m0 * K, w, K, n0, n1, finish);
+      for_blocks(n0, n1, [&](int64_t b0, int64_t b1) {
+        for_tiles<kTileDense>(M, [&](auto rows, int64_t m0) {
+          Y* yt = yp + m0 * N;
+          auto finish = [&](int m, int64_t n, float sum) {
+            yt[m * N + n] = static_cast<Y>(scale ? sum * static_cast<float>(scale[n]) : sum);
+          };
+          dense_rows<decltype(rows)::value>(xf + m0 * K, w, K, b0, b1, finish);
+        });
       });
     });
   });
@@ -162,6 +186,8 @@ inline __m512 dot_bf16(__m512 acc, const bf16* a, const bf16* b, __mmask32 mask)
 }
 
 // vdpbf16ps multiplies 32 bf16 pairs and adds them into 16 fp32 lanes: x stays bf16, no widening.
+// gate_up, 1 thread: 45.8 us, against 50.7 for the dense loop on the avx512 build, 106.7 for torch's
+// bf16 F.linear (python -m kernels.cpu.bench --x bf16 --formats bf16 --threads 1).
 template <int M>
 void bf16_rows(const bf16* x, const bf16* w, bf16* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   constexpr int64_t kStep = 32 * kChains;
@@ -226,8 +252,10 @@ struct Int4X {
 #endif
 };
 
+// x (M, Kx) with Kx <= K: the columns from Kx to K (the weight's padding to whole groups) read 0.
 template <class X>
-void prepare_int4_x(const X* x, int64_t M, int64_t K, int64_t gs, bool as_int16, Int4X& out) {
+void prepare_int4_x(const X* x, int64_t M, int64_t Kx, int64_t K, int64_t gs, bool as_int16,
+                    Int4X& out) {
   const int64_t C = K / kChunk, G = K / gs;
   if (as_int16) { out.q.resize(M * K); out.xs.resize(M * C); }
 #if defined(WB_ISA_AVX512BF16)
@@ -236,11 +264,12 @@ void prepare_int4_x(const X* x, int64_t M, int64_t K, int64_t gs, bool as_int16,
   out.S.assign(M * G, 0.f);
   for (int64_t m = 0; m < M; m++)
     for (int64_t c = 0; c < C; c++) {
-      const X* xc = x + m * K + c * kChunk;
+      const X* xc = x + m * Kx + c * kChunk;
+      const int64_t valid = std::min<int64_t>(kChunk, Kx - c * kChunk);
       float v[kChunk], amax = 0.f, sum = 0.f;
       for (int j = 0; j < 32; j++)
         for (int t = 0; t < 4; t++) {
-          const float f = static_cast<float>(xc[4 * j + t]);
+          const float f = 4 * j + t < valid ? static_cast<float>(xc[4 * j + t]) : 0.f;
           v[32 * t + j] = f;
           amax = std::max(amax, std::fabs(f));
           sum += f;
@@ -249,8 +278,11 @@ void prepare_int4_x(const X* x, int64_t M, int64_t K, int64_t gs, bool as_int16,
       if (as_int16) {
         const float inv = amax > 0.f ? 32767.f / amax : 0.f;
         out.xs[m * C + c] = amax / 32767.f;
-        for (int i = 0; i < kChunk; i++)
-          out.q[m * K + c * kChunk + i] = static_cast<int16_t>(std::nearbyint(v[i] * inv));
+        int16_t* q = out.q.data() + m * K + c * kChunk;
+        for (int i = 0; i < kChunk; i++) {   // to nearest, in a loop the compiler vectorizes
+          const float r = v[i] * inv;        // (std::nearbyint, a libm call: 3 us a call at K=576)
+          q[i] = static_cast<int16_t>(r + (r >= 0.f ? 0.5f : -0.5f));
+        }
       }
 #if defined(WB_ISA_AVX512BF16)
       else {
@@ -262,9 +294,11 @@ void prepare_int4_x(const X* x, int64_t M, int64_t K, int64_t gs, bool as_int16,
 
 // The integer product of one chunk of codes with x as int16, for M rows of xq (K apart): d[m]
 // gets lanes whose sum is sum_k xq[m][k] q_k, as fp32. vpmaddwd multiplies 16-bit codes by 16-bit
-// x and adds pairs into 32-bit lanes, exactly: 4 integer ops per 16 or 32 codes, against 8 for
-// widening codes to fp32 (shift, mask, convert, FMA per 8 or 16). The price: x is rounded to
-// 16 bits per chunk (|error| <= max|x| / 65534 per element), far below bf16's 8 bits.
+// x and adds pairs into 32-bit lanes, exactly. The price: x is rounded to 16 bits per chunk
+// (|error| <= max|x| / 65534 per element), far below bf16's 8 bits. AVX2, 1 thread, 3072 x 640
+// codes: 39.7 us, against 80.4 for codes widened to fp32 with fp32 x and 29.1 for llama.cpp's int8
+// x (vpmaddubsw), whose x rounding errs ~250x more (kernels/cpu/bench_int4_avx2.cpp says how).
+// AVX-512 on the AMD EPYC VM (Zen 4 runs 512-bit ops as two 256-bit halves) is no faster.
 #if defined(WB_ISA_AVX512)
 template <int M>
 inline void int4_chunk(const uint8_t* w, const int16_t* xq, int64_t K, Vec* d) {
@@ -323,6 +357,10 @@ inline void int4_chunk(const uint8_t* w, const int16_t* xq, int64_t K, Vec* d) {
 
 // Rows n0..n1 of the codes for M rows of prepared x: per chunk, the integer product scaled by
 // scale_g * xs (one FMA per chunk), one horizontal sum per row; minimum_g S_g added at the end.
+// fp32 x, M=1, 1 thread, AVX2 (WORKBENCH_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 python -m
+// kernels.cpu.bench --x fp32 --formats int4 --threads 1): gate_up 40 us, 2.4x the fp32 F.linear's
+// 98 us, 73x aten's _weight_int4pack_mm_for_cpu with fp32 x (4.2x aten's with bf16 x); 28-78x aten's
+// on every SmolLM2 shape, on AVX-512 too.
 template <int M, class Sc, class Finish>
 void int4_rows(const Int4X& xp, int64_t m0, const uint8_t* w, const Sc* scale, const Sc* minimum,
                int64_t K, int64_t gs, int64_t n0, int64_t n1, const Finish& finish) {
@@ -355,7 +393,9 @@ void int4_rows(const Int4X& xp, int64_t m0, const uint8_t* w, const Sc* scale, c
 //   D_g = sum_{k in g} x_k (128 + q_k) - 128 S_g.
 // D_g stays a 16-lane vector scaled into the row's accumulator: one horizontal sum per row.
 // (Widening bytes to words first, vpmovzxbw, ran ~8.5 cycles per 64 codes; this ~40% fewer
-// instructions.) Output bf16 only.
+// instructions.) Output bf16 only. As fast as the int16 loop on the AMD EPYC VM (gate_up 41.3 vs
+// 41.0 us, --x bf16 --formats int4 --threads 1 on the avx512bf16 and avx512 builds) and exact for
+// bf16 x, so bf16 x keeps it; 1.3-1.4x aten's bf16 kernel on gate_up, down and the LM head.
 template <int M, class Sc>
 void int4_rows_bf16(const Int4X& xp, const uint8_t* w, const Sc* scale, const Sc* minimum,
                     bf16* y, int64_t N, int64_t K, int64_t gs, int64_t n0, int64_t n1) {
@@ -439,7 +479,7 @@ void linear_fp32_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   check_y(y, x, M, N);
   TORCH_CHECK(x.scalar_type() == at::kFloat, "fp32 w needs fp32 x, got ", x.scalar_type());
-  if (M > kMaxRowsFp32Dense) {
+  if (M > kMaxRowsFp32Fp32) {
     at::mm_out(y, x, w.t());
     return;
   }
@@ -458,7 +498,7 @@ void linear_bf16_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
     at::mm_out(y, x, w.t());
     return;
   }
-  if (fp32 && M > kMaxRowsFp32Dense) {   // prefill: w widened once, then torch's fp32 GEMM
+  if (fp32 && M > kMaxRowsFp32Bf16) {   // prefill: w widened once, then torch's fp32 GEMM
     at::mm_out(y, x, w.to(at::kFloat).t());
     return;
   }
@@ -493,10 +533,14 @@ void linear_int8_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   check_2d(x, w, "w");
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   check_y(y, x, M, N);
-  const int64_t max_rows = x.scalar_type() == at::kFloat ? kMaxRowsFp32Int8 : kMaxRows;
+  const bool fp32 = x.scalar_type() == at::kFloat;
+  if (fp32 && M > kMaxRowsFp32Quant) {   // prefill: w widened and scaled once, torch's fp32 GEMM
+    at::mm_out(y, x, (w.to(at::kFloat) * scale.to(at::kFloat).unsqueeze(1)).t());
+    return;
+  }
   // aten's kernel crashes (SIGSEGV, torch 2.13) on 2+ rows when K % 16 != 0; such shapes run
   // the loop, tiled.
-  if (M > max_rows && K % 16 == 0) {
+  if (!fp32 && M > kMaxRows && K % 16 == 0) {
     y.copy_(at::_weight_int8pack_mm(x, w, as_x_dtype(scale, x)));
     return;
   }
@@ -524,12 +568,12 @@ namespace {
 
 template <class Sc>
 void int4_loop(const at::Tensor& x, const uint8_t* w, const Sc* scale, const Sc* minimum,
-               int64_t gs, at::Tensor& y) {
-  const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
+               int64_t K, int64_t gs, at::Tensor& y) {
+  const int64_t M = x.size(0), Kx = x.size(1), N = y.size(1);
   Int4X xp;
 #if defined(WB_ISA_AVX512BF16)
   if (x.scalar_type() == at::kBFloat16) {    // products of bf16 x with 128 + q are exact
-    prepare_int4_x(x.data_ptr<bf16>(), M, K, gs, false, xp);
+    prepare_int4_x(x.data_ptr<bf16>(), M, Kx, K, gs, false, xp);
     bf16* yp = y.data_ptr<bf16>();
     at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
       if (M == 1) int4_rows_bf16<1>(xp, w, scale, minimum, yp, N, K, gs, n0, n1);
@@ -538,39 +582,67 @@ void int4_loop(const at::Tensor& x, const uint8_t* w, const Sc* scale, const Sc*
     return;
   }
 #endif
-  if (x.scalar_type() == at::kFloat) prepare_int4_x(x.data_ptr<float>(), M, K, gs, true, xp);
-  else prepare_int4_x(x.data_ptr<bf16>(), M, K, gs, true, xp);
+  if (x.scalar_type() == at::kFloat) prepare_int4_x(x.data_ptr<float>(), M, Kx, K, gs, true, xp);
+  else prepare_int4_x(x.data_ptr<bf16>(), M, Kx, K, gs, true, xp);
   with_y(y, [&](auto* yp) {
     using Y = std::remove_pointer_t<decltype(yp)>;
     at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
-      for_tiles<kTileInt4>(M, [&](auto rows, int64_t m0) {
-        Y* yt = yp + m0 * N;
-        auto finish = [&](int m, int64_t n, float sum) { yt[m * N + n] = static_cast<Y>(sum); };
-        int4_rows<decltype(rows)::value>(xp, m0, w, scale, minimum, K, gs, n0, n1, finish);
+      for_blocks(n0, n1, [&](int64_t b0, int64_t b1) {
+        for_tiles<kTileInt4>(M, [&](auto rows, int64_t m0) {
+          Y* yt = yp + m0 * N;
+          auto finish = [&](int m, int64_t n, float sum) { yt[m * N + n] = static_cast<Y>(sum); };
+          int4_rows<decltype(rows)::value>(xp, m0, w, scale, minimum, K, gs, b0, b1, finish);
+        });
       });
     });
   });
 }
 
+// The (N, K) fp32 weight q * scale + minimum, for fp32 x above the loop's rows.
+template <class Sc>
+at::Tensor int4_weight_fp32(const uint8_t* w, const Sc* scale, const Sc* minimum, int64_t N,
+                            int64_t K, int64_t gs) {
+  at::Tensor out = at::empty({N, K}, at::kFloat);
+  float* o = out.data_ptr<float>();
+  const int64_t G = K / gs;
+  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++)
+      for (int64_t g = 0; g < G; g++) {
+        const float sc = static_cast<float>(scale[n * G + g]), mn = static_cast<float>(minimum[n * G + g]);
+        for (int64_t k = g * gs; k < (g + 1) * gs; k += 2) {
+          const uint8_t b = w[(n * K + k) / 2];
+          o[n * K + k] = static_cast<float>(b & 0xF) * sc + mn;
+          o[n * K + k + 1] = static_cast<float>(b >> 4) * sc + mn;
+        }
+      }
+  });
+  return out;
+}
+
 }  // namespace
 
-// x (M, K) bf16 or fp32 with K padded to whole groups; packed (N, K/2) uint8; scale, minimum
-// (N, K/gs) bf16 or fp32. Above the loop's rows, aten's kernel on its own layout of the same
-// weights (aten_packed, aten_scale_zero: Int4Linear._aten_pack), as the layer does without this
-// kernel.
+// x (M, Kx) bf16 or fp32 with Kx <= K, read as zero-padded to K (whole groups; no copy for the
+// loops); packed (N, K/2) uint8; scale, minimum
+// (N, K/gs) bf16 or fp32. bf16 x above the loop's rows runs aten's kernel on its own layout of the
+// same weights (aten_packed, aten_scale_zero: Int4Linear._aten_pack), as the layer does without
+// this kernel; fp32 x there, torch's fp32 GEMM on the widened weight.
 void linear_int4_into(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                       const at::Tensor& minimum, int64_t group_size, const at::Tensor& aten_packed,
                       const at::Tensor& aten_scale_zero, at::Tensor& y) {
   check_2d(x, packed, "packed");
-  const int64_t M = x.size(0), N = packed.size(0), K = packed.size(1) * 2;
+  const int64_t M = x.size(0), N = packed.size(0), K = packed.size(1) * 2, Kx = x.size(1);
   check_y(y, x, M, N);
-  const int64_t max_rows = x.scalar_type() == at::kFloat ? kMaxRowsFp32Int4 : kMaxRows;
-  if (M > max_rows) {
+  TORCH_CHECK(Kx > 0 && Kx <= K && x.is_contiguous() &&
+              (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "x must be a contiguous (M, K) bf16 or fp32 tensor with K <= ", K,
+              " (zero-padded to it), got ", x.sizes(), " ", x.scalar_type());
+  const bool fp32 = x.scalar_type() == at::kFloat;
+  if (!fp32 && M > kMaxRows) {
+    const at::Tensor xp = Kx == K ? x : at::constant_pad_nd(x, {0, K - Kx});
     y.copy_(at::_weight_int4pack_mm_for_cpu(
-        x, aten_packed, group_size, aten_scale_zero_for(x, scale, minimum, aten_scale_zero)));
+        xp, aten_packed, group_size, aten_scale_zero_for(x, scale, minimum, aten_scale_zero)));
     return;
   }
-  check_x(x, K);
   TORCH_CHECK(group_size > 0 && group_size % kChunk == 0 && K % group_size == 0,
               "group_size must be a multiple of 128 dividing ", K, ", got ", group_size);
   TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kByte, "packed must be contiguous uint8");
@@ -582,10 +654,16 @@ void linear_int4_into(const at::Tensor& x, const at::Tensor& packed, const at::T
                 "scale and minimum must be contiguous (", N, ", ", G, ") tensors, both bf16 or "
                 "both fp32, got ", t->sizes(), " ", t->scalar_type());
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  if (scale.scalar_type() == at::kFloat)
-    int4_loop(x, wp, scale.data_ptr<float>(), minimum.data_ptr<float>(), group_size, y);
-  else
-    int4_loop(x, wp, scale.data_ptr<bf16>(), minimum.data_ptr<bf16>(), group_size, y);
+  const bool wide = fp32 && M > kMaxRowsFp32Quant;   // prefill: w widened once, torch's GEMM
+  if (scale.scalar_type() == at::kFloat) {
+    const float *sp = scale.data_ptr<float>(), *mp = minimum.data_ptr<float>();
+    if (wide) at::mm_out(y, x, int4_weight_fp32(wp, sp, mp, N, K, group_size).narrow(1, 0, Kx).t());
+    else int4_loop(x, wp, sp, mp, K, group_size, y);
+  } else {
+    const bf16 *sp = scale.data_ptr<bf16>(), *mp = minimum.data_ptr<bf16>();
+    if (wide) at::mm_out(y, x, int4_weight_fp32(wp, sp, mp, N, K, group_size).narrow(1, 0, Kx).t());
+    else int4_loop(x, wp, sp, mp, K, group_size, y);
+  }
 }
 
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,

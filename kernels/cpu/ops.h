@@ -11,9 +11,9 @@ void linear_bf16_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
 void linear_fp32_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
 
 // The same for INT8 weight-only w (N, K) int8 with a bf16 or fp32 scale per row, and for
-// group-wise INT4 (packed (N, K/2) codes, scale and minimum (N, K/group_size), x padded to K; for
-// more rows aten's kernel on its own layout aten_packed / aten_scale_zero) (gemv.cpp). x bf16 or
-// fp32, y of x's dtype.
+// group-wise INT4 (packed (N, K/2) codes, scale and minimum (N, K/group_size), x (M, Kx <= K) read
+// as zero-padded to K; for more rows aten's kernel on its own layout aten_packed /
+// aten_scale_zero) (gemv.cpp). x bf16 or fp32, y of x's dtype.
 void linear_int8_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                       at::Tensor& y);
 void linear_int4_into(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,

@@ -1,16 +1,18 @@
 """Route a model's batch-1 matmuls on CPU through the hand-written kernels of kernels/cpu.
 
 `use_cpu_gemv(model)` switches, in place (the same parameters, the same state dict, only the
-forward differs):
-- each bias-free bf16 `nn.Linear` (the projections, the LM head) to `GemvLinear`;
+forward differs), for bf16 or fp32 activations:
+- each bias-free bf16 or fp32 `nn.Linear` (the projections, the LM head) to `GemvLinear`;
 - each INT8 weight-only layer (`Int8Linear`: INT8 models, and the LM head of every quantized
   model) to `Int8GemvLinear`: 26 vs 17 GB/s for aten's `_weight_int8pack_mm` on SmolLM2's head
   at batch 1 (2-core AMD EPYC VM);
 - each INT4 layer (`Int4Linear`, group size a multiple of 128, rows a multiple of 16) to
   `Int4GemvLinear`: 42-44 vs 59-60 us for aten's `_weight_int4pack_mm_for_cpu` on a 3072 x 576
-  layer at batch 1 (same VM; both compute-bound, ours on fewer instructions per code).
-The operators run their own loops for 1 or 2 rows and torch's kernels above that, so prefill and
-larger batches are unchanged.
+  layer at batch 1 (same VM; both compute-bound, ours on fewer instructions per code); with fp32
+  activations on the AVX2 build, 40 us vs 98 us for the fp32 F.linear and 2.9 ms for aten's
+  kernel, which takes fp32 x but runs 28-78x slower (kernels/cpu/gemv.cpp, int4_rows).
+The operators run their own loops for a few rows (1-2 for bf16 activations, more for fp32 ones)
+and torch's kernels above that, so prefill and larger batches are unchanged.
 """
 from __future__ import annotations
 
@@ -20,24 +22,32 @@ from torch import nn
 from ..quant.linear import Int4Linear, Int8Linear
 
 
+ACTIVATIONS = (torch.bfloat16, torch.float32)
+
+
 class GemvLinear(nn.Linear):
-    """An nn.Linear (no bias, bf16) whose small-batch products run the AVX-512 BF16 kernel."""
+    """An nn.Linear (no bias, bf16 or fp32 weight) whose small-batch products run the kernels'
+    loops (x bf16 or fp32; an fp32 weight needs fp32 x)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if x.dtype not in ACTIVATIONS or (w.dtype == torch.float32 and x.dtype != w.dtype):
+            return super().forward(x)
         shape = x.shape
-        out = torch.ops.workbench_cpu.linear_bf16(x.reshape(-1, self.in_features).contiguous(),
-                                                  self.weight)
+        op = torch.ops.workbench_cpu.linear_fp32 if w.dtype == torch.float32 \
+            else torch.ops.workbench_cpu.linear_bf16
+        out = op(x.reshape(-1, self.in_features).contiguous(), w)
         return out.view(*shape[:-1], self.out_features)
 
 
 def _runs_kernel(layer, x: torch.Tensor) -> bool:
-    """Whether a quantized layer's fast path takes x on the kernels (bf16 on CPU)."""
-    return layer._use_fast(x) and x.device.type == "cpu" and x.dtype == torch.bfloat16
+    """Whether a quantized layer's fast path takes x on the kernels (bf16 or fp32 on CPU)."""
+    return layer._use_fast(x) and x.device.type == "cpu" and x.dtype in ACTIVATIONS
 
 
 class Int8GemvLinear(Int8Linear):
-    """An Int8Linear whose bf16 products on CPU run the kernel's INT8 loop (same formula as
-    aten's: fp32 sums of x * w, times the row's scale, rounded once to bf16)."""
+    """An Int8Linear whose products on CPU run the kernel's INT8 loop (same formula as aten's:
+    fp32 sums of x * w, times the row's scale, rounded once to x's dtype)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _runs_kernel(self, x):
@@ -49,14 +59,14 @@ class Int8GemvLinear(Int8Linear):
 
 
 class Int4GemvLinear(Int4Linear):
-    """An Int4Linear whose bf16 products on CPU run the kernel's INT4 loop for 1-2 rows (aten's
+    """An Int4Linear whose products on CPU run the kernel's INT4 loop for a few rows (aten's
     kernel, on its own layout of the same codes, above that)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _runs_kernel(self, x):
             return super().forward(x)
         shape = x.shape
-        x2 = self._pad(x.reshape(-1, self.in_features)).contiguous()
+        x2 = x.reshape(-1, self.in_features).contiguous()      # the op reads the padding as 0
         aten_packed, group_size, aten_scale_zero = self._aten_pack(x.dtype)
         out = torch.ops.workbench_cpu.linear_int4(x2, self.packed, self.scale, self.minimum,
                                                   group_size, aten_packed, aten_scale_zero)
@@ -67,16 +77,16 @@ def use_cpu_gemv(model: nn.Module) -> int:
     """Switch every eligible layer of `model`; returns how many were switched."""
     switched = 0
     for m in model.modules():
-        if type(m) is nn.Linear and m.bias is None and m.weight.dtype == torch.bfloat16 \
+        if type(m) is nn.Linear and m.bias is None and m.weight.dtype in ACTIVATIONS \
                 and m.weight.is_contiguous():
             m.__class__ = GemvLinear
             switched += 1
         elif type(m) is Int8Linear and m.qweight.is_contiguous() \
-                and m.scale.dtype == torch.bfloat16:
+                and m.scale.dtype in ACTIVATIONS:
             m.__class__ = Int8GemvLinear
             switched += 1
         elif type(m) is Int4Linear and m.group_size % 128 == 0 and m.out_features % 16 == 0 \
-                and m.scale.dtype == torch.bfloat16 and m.packed.is_contiguous():
+                and m.scale.dtype in ACTIVATIONS and m.packed.is_contiguous():
             m.__class__ = Int4GemvLinear
             switched += 1
     return switched
