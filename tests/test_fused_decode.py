@@ -196,27 +196,22 @@ def test_speculative_decoding_runs_fused_and_unfused_steps_alike(tiny_folder):
 def fp32_engine(preset: str, weights: str):
     """An fp32 engine (C++ attention) whose projections hold `weights` ("fp32", "bf16", "int8",
     "int4") as the GEMV layers, its forward wrapped in FusedDecodeForward: the engine config does
-    not take fused_decode with fp32 activations yet, so the test builds what it would."""
-    from torch import nn
+    not take fused_decode (nor cpu_gemv) with fp32 activations yet, so the test builds what it
+    would."""
     from workbench.models import make_random_checkpoint
-    from workbench.models.cpu_gemv import GemvLinear, Int4GemvLinear, Int8GemvLinear
+    from workbench.models.cpu_gemv import use_cpu_gemv
     from workbench.models.fused_decode import FusedDecodeForward
-    from workbench.quant.linear import Int4Linear, Int8Linear
     quantization = weights if weights in ("int8", "int4") else None
     llm = LLM(model=str(make_random_checkpoint(preset, seed=0)), dtype="float32", device="cpu",
               verbose=False, attention_backend="cpu", max_model_len=128,
               quantization=quantization)
     model, runner = llm.engine.model, llm.engine.runner
-    for layer in model.layers:
-        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                  layer.mlp.down_proj):
-            if type(m) is nn.Linear and weights == "bf16":
+    if weights == "bf16":
+        for layer in model.layers:
+            for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                      layer.mlp.down_proj):
                 m.weight.data = m.weight.data.bfloat16()
-                m.__class__ = GemvLinear
-            elif type(m) is Int8Linear:
-                m.__class__ = Int8GemvLinear
-            elif type(m) is Int4Linear:
-                m.__class__ = Int4GemvLinear
+    use_cpu_gemv(model)
     runner.forward_fn = FusedDecodeForward(model, runner.forward_fn)
     return llm
 
@@ -228,11 +223,11 @@ def fp32_engine(preset: str, weights: str):
 def test_an_fp32_fused_step_matches_the_unfused_step(preset, num_seqs, weights):
     """fp32 activations round nowhere, so the fused and unfused steps differ only in the order of
     fp32 sums (RMSNorm mean, attention, GEMV) and the exp polynomial of silu (< 1e-7 relative):
-    hidden states of size ~3 agree to 5e-7 here (fp32, bf16, INT8 weights; both steps run the
-    same GEMV). 1e-5 leaves room for another ISA's sum order and stays far below what a wrong
-    rounding, rotation or weight would give (>= 1e-3). INT4: gemv.cpp's loop rounds x to 16 bits
-    per chunk (|error| <= max|x| / 65534) while the unfused fp32 step dequantizes and runs
-    F.linear: 1.3e-4 measured, so 1e-3 there."""
+    hidden states of size ~3 agree to 5e-7 here with fp32, bf16 and INT8 weights. 1e-5 leaves
+    room for another ISA's sum order and stays far below what a wrong rounding, rotation or
+    weight would give (>= 1e-3). INT4: gemv.cpp's loop rounds x to 16 bits per chunk (|error| <=
+    max|x| / 65534), while the unfused layer dequantizes for fp32 x (QuantLinear._use_fast takes
+    bf16/fp16 only): 1.3e-4 measured, so 1e-3 there."""
     llm = fp32_engine(preset, weights)
     assert llm.engine.runner.forward_fn.weight_kind == {"bf16": 0, "int8": 1, "int4": 2,
                                                         "fp32": 3}[weights]
