@@ -124,8 +124,8 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, T* out, const in
 // (AVX-512): 0.95 ms with the general loop above, 0.68 ms with this one (2-core VM). fp32 stays
 // here rather than in attend_rows: an attend_rows<float> took 2363 vs 2220 us per layer call under
 // AVX512-BF16 flags, 2261 vs 2228 under AVX2 (medians of 7 rounds, one thread, `python -m
-// kernels.cpu.bench_attention fp32 --threads 1`); gather + SDPA / this = 2.5x (AVX-512), 2.2x
-// (AVX2) there.
+// kernels.cpu.bench_attention fp32 --threads 1`). With 2 threads, gather + SDPA / this = 2.1x
+// under AVX512-BF16 (1346 us) and 1.75x under AVX2 (1500 us).
 template <typename T, int kG, int kD>
 void attend_fixed(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* blocks,
                   int64_t L, int64_t block_size, int64_t kv_stride, float scale,
@@ -186,10 +186,12 @@ void attend_fixed(const T* q, const T* k_cache, const T* v_cache, T* out, const 
 //   dims), so the accumulators hold the head's dims in even/odd order until the end.
 // Result on that shape: 750 -> ~420 us per layer call (16 GB/s), 225 -> 165 us with the cache in
 // L3. A kernel that only reads the same rows in the same order takes ~300-330 us here: what is
-// left is mostly the cost of the scattered blocks, not arithmetic. On the 48 x ~230 shape, gather
-// + SDPA / this = 10x (AVX512-BF16) and 7.7x (AVX2, one thread); AVX2 runs it as fast as
-// AVX512-BF16 does (1568 vs 1633-1730 us, one thread, loaded VM): the rows' memory sets the time
-// (`python -m kernels.cpu.bench_attention bf16 --threads 1`, WORKBENCH_ISA=avx2 for AVX2).
+// left is mostly the cost of the scattered blocks, not arithmetic. On the 48 x ~230 shape (2
+// threads, `python -m kernels.cpu.bench_attention bf16`): 685-747 us per layer call under
+// AVX512-BF16, gather + SDPA / this 11-12x; 908 us under AVX2 (WORKBENCH_ISA=avx2), 8.8x. The
+// AVX512-BF16 build compiles to the same inner loops as the pre-port intrinsics (32 dpbf16, 12
+// FMAs, same prefetches); pre-port / this in one process (`--against DIR`, medians of 7 pairs):
+// 0.90x, 0.96x and 0.98x with 2 threads (an A/A run: 1.03x), 1.00x and 1.05x with one.
 
 // How a row type is read: kStep values per chunk; a query chunk prepared once (Q) and dotted with
 // key chunks; a value chunk widened into kVPer fp32 vectors; the accumulators put back in dim order.
@@ -253,7 +255,9 @@ inline void walk_tile(const T* cache, const int64_t* blocks, int64_t t0, int64_t
 
 // Value chunks accumulated per pass over a tile's rows: all of a head's under AVX-512 (32
 // registers), as many as keep kG * kVPer * chunks accumulators within 8 registers elsewhere
-// (AVX2 has 16).
+// (AVX2 has 16). A budget of 12 (G=3: two chunks a pass) read 0.94x of 8 on the 48 x ~230 bf16
+// shape (median of 7 pairs, `WORKBENCH_ISA=avx2 python -m kernels.cpu.bench_attention bf16
+// --against DIR`, DIR a copy of these sources with 8).
 constexpr int chunks_per_pass(int chunks, int accs_per_chunk) {
   const int budget = kLanes >= 16 ? 32 : 8;
   int best = 1;
