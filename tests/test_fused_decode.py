@@ -5,7 +5,8 @@ The fused step rounds to bf16 where the eager model does and runs the layers' ow
 in both) one decode step gives the same hidden states and writes the same K/V, bit for bit (tiny
 models, 1 and 3 sequences, every weight kind; SmolLM2), and generation gives the same
 greedy tokens in batches that mix prefills and decodes. The operator must really run in every
-decode-only step, and in no other.
+decode-only step, and in no other. With fp32 activations (fp32, bf16, INT8 and INT4 weights) one
+step agrees with the unfused step to fp32 rounding.
 """
 import pytest
 import torch
@@ -72,10 +73,10 @@ def test_the_operator_runs_in_decode_only_steps_and_nowhere_else(tiny_folder):
     assert isinstance(fused.engine.runner.forward_fn, FusedDecodeForward)
 
 
-def one_step_both_ways(model, num_seqs: int, quantization=None):
+def one_step_both_ways(model, num_seqs: int, quantization=None, llm=None):
     """Prefill `num_seqs` prompts, then run one decode step through the fused operator and, from
     the same cache contents, through the unfused forward: (hidden states, caches after) of each."""
-    fused, _ = engines(model, max_model_len=128, quantization=quantization)
+    fused = llm or engines(model, max_model_len=128, quantization=quantization)[0]
     runner = fused.engine.runner
     step = runner.forward_fn
     gen = torch.Generator().manual_seed(0)
@@ -165,8 +166,11 @@ def test_bad_operator_inputs_are_named(tiny_folder):
         step(*args(far, f.in_norms), 0, 0)
     with pytest.raises(RuntimeError, match=r"every per-layer list must have 1 tensors"):
         step(*args(zero, f.in_norms[:1]), 0, 0)
-    with pytest.raises(RuntimeError, match=r"weight_kind=3 is invalid: 0 \(bf16\), 1 \(INT8\)"):
-        step(*args(zero, f.in_norms), 3, 0)
+    with pytest.raises(RuntimeError, match=r"weight_kind=4 is invalid: 0 \(bf16\), 1 \(INT8\), "
+                                           r"2 \(INT4\) or 3 \(fp32\)"):
+        step(*args(zero, f.in_norms), 4, 0)
+    with pytest.raises(RuntimeError, match=r"weight_kind 3 takes fp32 weights and fp32 x"):
+        step(*args(zero, f.in_norms), 3, 0)     # bf16 weights and x, called fp32
     with pytest.raises(RuntimeError, match=r"qkv must hold 2 tensors per layer for weight_kind 1 "
                                            r"\(4 in all\), got 2"):
         step(*args(zero, f.in_norms), 1, 0)     # bf16 weights, one per layer, called INT8
@@ -187,3 +191,50 @@ def test_speculative_decoding_runs_fused_and_unfused_steps_alike(tiny_folder):
     steps = fused.trace[start:]
     verifying = [s for s in steps if s.spec]
     assert verifying and 1 <= calls == sum(s.num_prefill_tokens == 0 and not s.spec for s in steps)
+
+
+def fp32_engine(preset: str, weights: str):
+    """An fp32 engine (C++ attention) whose projections hold `weights` ("fp32", "bf16", "int8",
+    "int4") as the GEMV layers, its forward wrapped in FusedDecodeForward: the engine config does
+    not take fused_decode (nor cpu_gemv) with fp32 activations yet, so the test builds what it
+    would."""
+    from workbench.models import make_random_checkpoint
+    from workbench.models.cpu_gemv import use_cpu_gemv
+    from workbench.models.fused_decode import FusedDecodeForward
+    quantization = weights if weights in ("int8", "int4") else None
+    llm = LLM(model=str(make_random_checkpoint(preset, seed=0)), dtype="float32", device="cpu",
+              verbose=False, attention_backend="cpu", max_model_len=128,
+              quantization=quantization)
+    model, runner = llm.engine.model, llm.engine.runner
+    if weights == "bf16":
+        for layer in model.layers:
+            for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                      layer.mlp.down_proj):
+                m.weight.data = m.weight.data.bfloat16()
+    use_cpu_gemv(model)
+    runner.forward_fn = FusedDecodeForward(model, runner.forward_fn)
+    return llm
+
+
+@needs_kernels
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("num_seqs", [1, 3])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mha"])
+def test_an_fp32_fused_step_matches_the_unfused_step(preset, num_seqs, weights):
+    """fp32 activations round nowhere, so the fused and unfused steps differ only in the order of
+    fp32 sums (RMSNorm mean, attention, GEMV) and the exp polynomial of silu (< 1e-7 relative):
+    hidden states of size ~3 agree to 5e-7 here with fp32, bf16 and INT8 weights. 1e-5 leaves
+    room for another ISA's sum order and stays far below what a wrong rounding, rotation or
+    weight would give (>= 1e-3). INT4: gemv.cpp's loop rounds x to 16 bits per chunk (|error| <=
+    max|x| / 65534), while the unfused layer dequantizes for fp32 x (QuantLinear._use_fast takes
+    bf16/fp16 only): 1.3e-4 measured, so 1e-3 there."""
+    llm = fp32_engine(preset, weights)
+    assert llm.engine.runner.forward_fn.weight_kind == {"bf16": 0, "int8": 1, "int4": 2,
+                                                        "fp32": 3}[weights]
+    (hidden, caches), (hidden_ref, caches_ref) = one_step_both_ways(None, num_seqs, llm=llm)
+    assert hidden.dtype == torch.float32
+    tol = 1e-3 if weights == "int4" else 1e-5
+    torch.testing.assert_close(hidden, hidden_ref, rtol=tol, atol=tol)
+    for (k, v), (k_ref, v_ref) in zip(caches, caches_ref):
+        torch.testing.assert_close(k, k_ref, rtol=tol, atol=tol)
+        torch.testing.assert_close(v, v_ref, rtol=tol, atol=tol)

@@ -4,12 +4,13 @@ ladder, after torch.compile.
 Data flow of a step the engine runs with `fused_decode=True`:
 
     runner.execute -> FusedDecodeForward(input_ids, positions, kv_caches, meta, backend)
-      decode-only step (every sequence feeds one token), paged bf16 cache, C++ attention backend:
+      decode-only step (every sequence feeds one token), paged cache in the model's dtype (bf16 or
+      fp32), C++ attention backend:
         embedding lookup (one torch op)
         -> torch.ops.workbench_cpu.decode_step: for each layer, in C++,
            add + RMSNorm -> QKV GEMV -> rotary -> write K/V + paged attention -> O GEMV
            -> add + RMSNorm -> gate/up GEMV -> SiLU x up -> down GEMV;   then the final norm
-           (the GEMVs are the layers' own: bf16, INT8 or INT4 weights, gemv.cpp)
+           (the GEMVs are the layers' own: bf16, INT8, INT4 or fp32 weights, gemv.cpp)
       anything else (prefills, chunked or speculative steps, the layer-skip drafter): the inner
       forward, eager or compiled, unchanged
     -> hidden states -> the LM head (its own GEMV layer) -> logits, as before
@@ -31,38 +32,58 @@ import torch.nn.functional as F
 from ..attention.metadata import AttentionMetadata
 
 
-WEIGHT_KINDS = {"GemvLinear": 0, "Int8GemvLinear": 1, "Int4GemvLinear": 2}   # as decode_step.cpp
+# weight_kind of decode_step.cpp: 0 bf16, 1 INT8, 2 INT4, 3 fp32 weights.
+WEIGHT_KINDS = {"GemvLinear": 0, "Int8GemvLinear": 1, "Int4GemvLinear": 2}
+LAYER_NAMES = "GemvLinear (bf16 or fp32), Int8GemvLinear, Int4GemvLinear or an fp32 nn.Linear"
 
 
-def layer_tensors(layer, kind: int) -> list[torch.Tensor]:
+def weight_kind(layer) -> int | None:
+    """decode_step.cpp's weight_kind for a projection, None if it takes no such layer: the GEMV
+    layers by class, an fp32 weight (GemvLinear, or a plain bias-free nn.Linear) as kind 3."""
+    name = type(layer).__name__
+    if name in ("GemvLinear", "Linear") and layer.bias is None \
+            and layer.weight.dtype == torch.float32:
+        return 3
+    return WEIGHT_KINDS.get(name)
+
+
+def layer_tensors(layer, kind: int, dtype: torch.dtype) -> list[torch.Tensor]:
     """The tensors of one projection that decode_step.cpp reads (its `Projections`): the weight
-    (bf16); qweight and scale (INT8); the INT4 codes, scale, minimum and aten's layout of them."""
-    if kind == 0:
+    (bf16, fp32); qweight and scale (INT8); the INT4 codes, scale, minimum and aten's layout of
+    them for activations of `dtype`."""
+    if kind in (0, 3):
         return [layer.weight]
     if kind == 1:
         return [layer.qweight, layer.scale]
-    aten_packed, _, aten_scale_zero = layer._aten_pack(torch.bfloat16)
+    aten_packed, _, aten_scale_zero = layer._aten_pack(dtype)
     return [layer.packed, layer.scale, layer.minimum, aten_packed, aten_scale_zero]
 
 
 def fused_decode_unsupported(model) -> str | None:
-    """Why this model cannot run the fused step (None if it can): its projections must all be one
-    of the GEMV layers (bf16, INT8 or INT4 with a group size of 128k, no experts), and its head
-    size one the attention kernel takes."""
+    """Why this model cannot run the fused step (None if it can): its activations bf16 or fp32, its
+    projections all one of the GEMV layers (bf16, INT8 or INT4 with a group size of 128k, no
+    experts) or fp32 weights with fp32 activations, and its head size one the attention kernel
+    takes."""
     args = model.args
+    dtype = model.norm.weight.dtype
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"its activations are {dtype}, and the fused step takes bfloat16 or float32"
     kinds = set()
     for i, layer in enumerate(model.layers):
         for name, mod in (("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
                           ("gate_up_proj", getattr(layer.mlp, "gate_up_proj", None)),
                           ("down_proj", getattr(layer.mlp, "down_proj", None))):
-            kind = type(mod).__name__ if mod is not None else "missing (experts?)"
-            if kind not in WEIGHT_KINDS:
-                return (f"layer {i}'s {name} is {kind}, and the fused step takes the GEMV layers "
-                        f"({', '.join(WEIGHT_KINDS)}): bf16, INT8 or INT4 (group size a multiple "
-                        "of 128) weights, no experts")
+            kind = weight_kind(mod) if mod is not None else None
+            if kind is None:
+                what = type(mod).__name__ if mod is not None else "missing (experts?)"
+                return (f"layer {i}'s {name} is {what}, and the fused step takes {LAYER_NAMES}: "
+                        "bf16, INT8, INT4 (group size a multiple of 128) or fp32 weights, no "
+                        "experts")
+            if kind == 3 and dtype != torch.float32:
+                return f"layer {i}'s {name} has fp32 weights and the activations are {dtype}"
             kinds.add((kind, getattr(mod, "group_size", 0)))
     if len(kinds) > 1:
-        return f"its projections mix layer kinds {sorted(kinds)}; the fused step takes one kind"
+        return f"its projections mix weight kinds {sorted(kinds)}; the fused step takes one kind"
     if args.head_dim % 16:
         return f"head_dim={args.head_dim} is not a multiple of 16 (the paged attention kernel's)"
     return None
@@ -81,13 +102,13 @@ class FusedDecodeForward:
         self.in_norms = [l.input_layernorm.weight for l in layers]
         self.post_norms = [l.post_attention_layernorm.weight for l in layers]
         first = layers[0].self_attn.qkv_proj
-        self.weight_kind = WEIGHT_KINDS[type(first).__name__]
+        self.weight_kind = k = weight_kind(first)
         self.group_size = getattr(first, "group_size", 0)
-        k = self.weight_kind
-        self.qkv = [t for l in layers for t in layer_tensors(l.self_attn.qkv_proj, k)]
-        self.o = [t for l in layers for t in layer_tensors(l.self_attn.o_proj, k)]
-        self.gate_up = [t for l in layers for t in layer_tensors(l.mlp.gate_up_proj, k)]
-        self.down = [t for l in layers for t in layer_tensors(l.mlp.down_proj, k)]
+        dt = model.norm.weight.dtype
+        self.qkv = [t for l in layers for t in layer_tensors(l.self_attn.qkv_proj, k, dt)]
+        self.o = [t for l in layers for t in layer_tensors(l.self_attn.o_proj, k, dt)]
+        self.gate_up = [t for l in layers for t in layer_tensors(l.mlp.gate_up_proj, k, dt)]
+        self.down = [t for l in layers for t in layer_tensors(l.mlp.down_proj, k, dt)]
         attn = layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.scale = attn.num_heads, attn.num_kv_heads, attn.scale
         self.eps = model.norm.eps
