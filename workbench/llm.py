@@ -69,7 +69,7 @@ class LLM:
         """Which fast CPU paths this engine takes, and why not the others."""
         c = self.engine.config
         from kernels.cpu import best_isa
-        parts = [f"matmuls: kernels/cpu {best_isa()} loops for 1-2 rows, torch above"
+        parts = [f"matmuls: kernels/cpu {best_isa()} loops for small row counts, torch's GEMM above"
                  if c.use_cpu_gemv else f"matmuls: torch (cpu_gemv off: {c.cpu_gemv_reason})",
                  "decode steps: one C++ call (fused_decode)" if c.use_fused_decode else
                  f"decode steps: layer by layer (fused_decode off: {c.fused_decode_reason})"]
