@@ -43,7 +43,9 @@ inline Vec rounded(Vec v, const bf16*) { return wb::round_bf16(v); }
 inline Vec rounded(Vec v, const float*) { return v; }
 
 // The lanes of [i, n) from p: a whole vector, or the tail (lanes past n read as 0, not stored).
-inline int lanes(int64_t i, int64_t n) { return static_cast<int>(std::min<int64_t>(kLanes, n - i)); }
+inline int lanes(int64_t i, int64_t n) {
+  return static_cast<int>(std::min<int64_t>(kLanes, n - i));
+}
 
 // out = weight * round(s / rms(s)), where s = round(x + residual) is also stored into residual
 // (or, with add false, s = x is copied into it): one row of `n` values.
@@ -75,8 +77,10 @@ void rotary_row(const T* src, T* dst, int64_t heads, int64_t D, const float* cos
   const int64_t half = D / 2;
   for (int64_t i = 0; i < half; i += kLanes) {
     const int m = lanes(i, half);
-    const Vec c1 = rounded(wb::load(cos + i, m), src), c2 = rounded(wb::load(cos + half + i, m), src);
-    const Vec s1 = rounded(wb::load(sin + i, m), src), s2 = rounded(wb::load(sin + half + i, m), src);
+    const Vec c1 = rounded(wb::load(cos + i, m), src);
+    const Vec c2 = rounded(wb::load(cos + half + i, m), src);
+    const Vec s1 = rounded(wb::load(sin + i, m), src);
+    const Vec s2 = rounded(wb::load(sin + half + i, m), src);
     for (int64_t h = 0; h < heads; ++h) {
       const T* x = src + h * D;
       const Vec lo = wb::load(x + i, m), hi = wb::load(x + half + i, m);
