@@ -98,7 +98,8 @@ def run(dtype, against: bool) -> None:
     ratios = [t / c for t, c in zip(times["torch"], times["cpu"])]
     med = {name: statistics.median(ts) for name, ts in times.items()}
     name = str(dtype).replace("torch.", "")
-    print(f"{best_isa()} {torch.get_num_threads()} threads {name}: paged_decode {med['kernel']:.0f} us "
+    print(f"{best_isa()} {torch.get_num_threads()} threads {name}: paged_decode "
+          f"{med['kernel']:.0f} us "
           f"per layer call (pairs: {', '.join(f'{t:.0f}' for t in times['kernel'])}); "
           f"cpu backend {med['cpu']:.0f} us, torch backend {med['torch']:.0f} us: "
           f"torch / cpu {statistics.median(ratios):.2f}x "

@@ -18,9 +18,10 @@
 // Three kernels. bf16 with a compiled-in shape (G <= 4, D = 64 or 128) runs attend_rows: a task
 // is a whole sequence (all its kv heads, so whole cache rows are read), with rows prefetched
 // ahead and scores computed 16 positions at a time. Otherwise work is split by (sequence, kv
-// head): attend_fixed for fp32 with a compiled-in shape, attend_one for any other. In both, the G = H / KVH query heads that share a kv head
-// (grouped-query attention) load each key and value row once. Scores, softmax and the
-// weighted sum of values are in fp32; the result is rounded to the query's dtype once. Each
+// head): attend_fixed for fp32 with a compiled-in shape, attend_one for any other. In all, the
+// G = H / KVH query heads that share a kv head (grouped-query attention) load each key and value
+// row once. Scores, softmax and the weighted sum of values are in fp32; the result is rounded to
+// the query's dtype once. Each
 // sequence is computed on its own, so its result does not depend on which others share its step
 // (the padded SDPA path gives the same property only up to the padding's rounding).
 #include <ATen/ATen.h>
@@ -170,7 +171,7 @@ void attend_fixed(const T* q, const T* k_cache, const T* v_cache, T* out, const 
       wb::store(out + (g * kC + c) * kLanes, acc[g][c] * Vec(inv[g]));
 }
 
-// ---- compiled-in shapes: one sequence's kv heads [h0, h1) in one pass over its blocks ------------
+// ---- compiled-in shapes: one sequence's kv heads [h0, h1) in one pass over its blocks -----------
 //
 // Why: a loop over one (sequence, kv head) at a time reads 128 of every 384 bytes of each bf16
 // cache row (SmolLM2: 3 kv heads x 64 dims), and the hardware prefetcher does not follow that
@@ -194,7 +195,8 @@ void attend_fixed(const T* q, const T* k_cache, const T* v_cache, T* out, const 
 // 0.90x, 0.96x and 0.98x with 2 threads (an A/A run: 1.03x), 1.00x and 1.05x with one.
 
 // How a row type is read: kStep values per chunk; a query chunk prepared once (Q) and dotted with
-// key chunks; a value chunk widened into kVPer fp32 vectors; the accumulators put back in dim order.
+// key chunks; a value chunk widened into kVPer fp32 vectors; the accumulators put back in dim
+// order.
 // Only bf16 rows are compiled in (fp32 runs attend_fixed, see there).
 template <typename T> struct Rows;
 

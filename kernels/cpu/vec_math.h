@@ -248,13 +248,15 @@ inline Vec dot_pair(Vec acc, const QPair& q, const bf16* k) {
 inline void widen_pair(const bf16* p, Vec& even, Vec& odd) {
   const __m512i raw = _mm512_loadu_si512(p);
   even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-  odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
 }
 #elif defined(WB_ISA_AVX2)
 inline void widen_pair(const bf16* p, Vec& even, Vec& odd) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-  odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
 }
 #else
 inline void widen_pair(const bf16* p, Vec& even, Vec& odd) {
