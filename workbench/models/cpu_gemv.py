@@ -41,8 +41,9 @@ class GemvLinear(nn.Linear):
 
 
 def _runs_kernel(layer, x: torch.Tensor) -> bool:
-    """Whether a quantized layer's fast path takes x on the kernels (bf16 or fp32 on CPU)."""
-    return layer._use_fast(x) and x.device.type == "cpu" and x.dtype in ACTIVATIONS
+    """Whether a quantized layer's fast path takes x on the kernels (bf16 or fp32 on CPU; fp32
+    never reaches aten's packed kernels, which are slow for it: quant/linear.py)."""
+    return layer.impl == "fast" and x.device.type == "cpu" and x.dtype in ACTIVATIONS
 
 
 class Int8GemvLinear(Int8Linear):
