@@ -28,7 +28,6 @@ STEPS, PAIRS, PROMPT = 20, 7, 100
 
 
 def build(weights: str):
-    import workbench.quant.linear as quant_linear
     from workbench import LLM
     from workbench.models.cpu_gemv import use_cpu_gemv
     from workbench.models.fused_decode import FusedDecodeForward
@@ -42,7 +41,6 @@ def build(weights: str):
                       layer.mlp.down_proj):
                 m.weight.data = m.weight.data.bfloat16()
     use_cpu_gemv(model)
-    quant_linear.FAST_CPU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
     return llm, FusedDecodeForward(model, llm.engine.runner.forward_fn)
 
 
