@@ -4,6 +4,7 @@ import torch
 
 from workbench.bench import copy_bandwidth, decode_bytes_per_token
 from workbench.bench import single_stream
+from workbench import LLM
 
 
 def test_single_stream_runs_both_peers_on_identical_tokens(tiny_folder):
@@ -38,7 +39,7 @@ def test_kernels_benchmark_rows_through_the_interpreter():
     assert "FlashAttention forward vs SDPA" in text and "paged decode" in text
 
 
-def test_anatomy_splits_a_decode_step_into_measured_parts(tiny_llm):
+def test_anatomy_splits_a_decode_step_into_measured_parts(tiny_folder):
     """The profiler sees the model's own operators inside the forward: matmuls and attention are
     nonzero, every part is non-negative, and the parts account for the whole step (they are the
     step's phases plus the forward split by operator)."""
@@ -48,7 +49,10 @@ def test_anatomy_splits_a_decode_step_into_measured_parts(tiny_llm):
     assert categorize("aten::index_copy_") == "attention"
     assert categorize("workbench_cpu::paged_decode_write") == "attention"
     assert categorize("aten::mul") == "other ops"
-    a = anatomy(tiny_llm, [5, 6, 7, 8, 9], new_tokens=12, profiled_steps=4)
+    # Layer by layer (fused_decode=False): a fused step runs every layer inside one operator.
+    llm = LLM(model=str(tiny_folder), dtype="float32", device="cpu", verbose=False,
+              max_model_len=64, fused_decode=False)
+    a = anatomy(llm, [5, 6, 7, 8, 9], new_tokens=12, profiled_steps=4)
     parts = a["parts_s"]
     assert set(parts) == {"schedule + prepare", "matmul", "attention", "other ops", "overhead",
                           "sample", "postprocess"}
@@ -59,7 +63,7 @@ def test_anatomy_splits_a_decode_step_into_measured_parts(tiny_llm):
     ops = parts["matmul"] + parts["attention"] + parts["other ops"]
     assert 0 < ops <= 1.05 * a["profiled_forward_s"], (ops, a["profiled_forward_s"])
     # Every layer dispatches at least its seven projections (q, k, v, o, gate, up, down).
-    layers = tiny_llm.engine.runner.model.args.num_hidden_layers
+    layers = llm.engine.runner.model.args.num_hidden_layers
     assert a["ops_per_step"] >= 7 * layers, (a["ops_per_step"], layers)
 
 

@@ -161,8 +161,9 @@ def test_the_compiled_forward_checks_only_the_guards_that_choose_a_graph(tiny_fo
         return keep
 
     monkeypatch.setattr(compile_module, "keep_guards", recording)
+    # fused_decode=False: the 1-token graph exists only when decode steps run the compiled forward
     llm = LLM(model=str(tiny_folder), dtype="float32", device="cpu", verbose=False,
-              max_model_len=64, compile=True)
+              max_model_len=64, compile=True, fused_decode=False)
     params = SamplingParams(temperature=0, max_tokens=4)
     first = llm.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids     # prefill, decode
     again = llm.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids     # prefill after decode

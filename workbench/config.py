@@ -255,6 +255,9 @@ class EngineConfig:
         elif self.batch_invariant:
             why_not = ("batch_invariant=True: the loops round a 1-2-row step differently from "
                        "torch's GEMM")
+        elif self.freeze_weights and self.cpu_gemv is None:
+            why_not = ("freeze_weights=True prepacks the matmuls for oneDNN, which the loops' "
+                       "operators would hide from the compiler")
         if why_not is None and self.cpu_gemv is not False:
             from kernels.cpu import available
             ok, reason = available()

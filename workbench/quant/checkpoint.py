@@ -43,7 +43,10 @@ def save_quantized(model: LlamaModel, method: str, group_size: int, source: Path
         if f.name in ("config.json", "generation_config.json") or f.name.startswith(
                 ("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(f, target / f.name)
-    layers = {name: {"kind": KINDS[type(m)], "in_features": m.in_features}
+    # By format (the class that holds the codes), whichever forward a layer runs (cpu_gemv's
+    # subclasses, batch_invariant's padding) when it is saved.
+    layers = {name: {"kind": next(KINDS[c] for c in type(m).__mro__ if c in KINDS),
+                     "in_features": m.in_features}
               for name, m in model.named_modules() if isinstance(m, QuantLinear)}
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if getattr(model.lm_head, "weight", None) is model.embed_tokens.weight:
