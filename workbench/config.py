@@ -109,12 +109,14 @@ class EngineConfig:
     # number of rows, attention runs each sequence on its own, and the kernels whose rounding
     # depends on the row count (cpu_gemv, fused_decode) stay off (models/batch_invariant.py).
     batch_invariant: bool = False
-    # Hand-written matmuls for 1-2 row steps (kernels/cpu): bf16 layers, and INT8 / INT4 (group
-    # size 128) quantized ones. None (the default): on where they can run (CPU, one process, not
-    # batch_invariant); True: insist; False: torch's kernels.
+    # Hand-written matmuls for steps of few rows (kernels/cpu; 1-2 rows in bf16, up to 16-64 in
+    # fp32): bf16 and fp32 layers, and INT8 / INT4 (group size 128) quantized ones. None (the
+    # default): on where they can run (CPU, one process, not batch_invariant, not freeze_weights);
+    # True: insist; False: torch's kernels.
     cpu_gemv: bool | None = None
-    # A decode-only step as one C++ call, every layer inside (models/fused_decode.py): bf16, INT8 or
-    # INT4 weights, the GEMV kernels (cpu_gemv) and attention_backend="cpu"; other steps as before.
+    # A decode-only step as one C++ call, every layer inside (models/fused_decode.py): bf16 or fp32
+    # activations over bf16, fp32, INT8 or INT4 weights, with the GEMV kernels (cpu_gemv) and
+    # attention_backend="cpu"; other steps as before.
     # None (the default): on where all of that holds; True: insist; False: off.
     fused_decode: bool | None = None
     # Decode steps replayed from CUDA graphs captured at start for batch sizes 1, 2, 4, 8, 16, ...
