@@ -298,3 +298,51 @@ def test_the_engine_says_which_matmuls_it_runs(tiny_folder):
               max_model_len=64, cpu_gemv=False)
     assert not any(isinstance(layer.mlp.down_proj, GemvLinear) for layer in off.engine.model.layers)
     assert "matmuls: torch (cpu_gemv off: switched off)" in off.describe()
+
+
+def test_auto_dtype_reads_bf16_weights_on_every_cpu():
+    """dtype="auto" reads bf16 weights on CPU whatever the CPU: with bf16 activations where bf16
+    is native, with fp32 activations elsewhere; an explicit dtype keeps its own weights."""
+    from workbench.config import cpu_has_native_bf16
+    auto = EngineConfig(device="cpu", dtype="auto")
+    assert auto.torch_dtype == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+    assert auto.weight_dtype == (torch.bfloat16 if auto.use_cpu_gemv else auto.torch_dtype)
+    assert EngineConfig(device="cpu", dtype="float32").weight_dtype == torch.float32
+    assert EngineConfig(device="cpu", dtype="auto", cpu_gemv=False).weight_dtype == auto.torch_dtype
+
+
+@needs_kernels
+def test_bf16_weights_with_fp32_activations_match_a_bf16_rounded_fp32_model(tiny_folder):
+    """store_weights_bf16 rounds the projections and the (untied) head to bf16 and leaves the
+    embedding table fp32: the greedy tokens are those of the fp32 model with the same rounded
+    weights on torch's kernels, and a decode step reads half the projection bytes."""
+    from workbench.models.cpu_gemv import GemvLinear, store_weights_bf16
+    kwargs = dict(model=str(tiny_folder), dtype="float32", device="cpu", verbose=False,
+                  max_model_len=64)
+    ours, ref = LLM(**kwargs), LLM(cpu_gemv=False, **kwargs)
+    model = ours.engine.model
+    before = model.weight_bytes()
+    n = store_weights_bf16(model)
+    gemv = [m for m in model.modules() if isinstance(m, GemvLinear)]
+    assert n == len(gemv) > 0 and all(m.weight.dtype == torch.bfloat16 for m in gemv)
+    assert model.embed_tokens.weight.dtype == torch.float32 and model.norm.weight.dtype == torch.float32
+    assert model.weight_bytes() < 0.6 * before
+    for m in list(ref.engine.model.modules()):
+        if type(m) is torch.nn.Linear:
+            m.weight = torch.nn.Parameter(m.weight.detach().bfloat16().float(), requires_grad=False)
+    prompts = [[5, 6, 7, 8, 9], [11, 12], [40, 41, 42]]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    assert ([o.outputs[0].token_ids for o in ours.generate(prompts, params)]
+            == [o.outputs[0].token_ids for o in ref.generate(prompts, params)])
+
+
+@needs_kernels
+def test_auto_dtype_engine_says_what_it_stores(tiny_folder):
+    from workbench.config import cpu_has_native_bf16
+    llm = LLM(model=str(tiny_folder), device="cpu", verbose=False, max_model_len=64)
+    text = llm.describe()
+    if cpu_has_native_bf16():
+        assert llm.engine.weights_stored_bf16 == 0 and "bfloat16 (auto" in text
+    else:
+        assert llm.engine.dtype == torch.float32 and llm.engine.weights_stored_bf16 > 0
+        assert "layers' weights in bf16" in text

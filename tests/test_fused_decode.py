@@ -144,6 +144,8 @@ def test_fused_decode_setting_is_validated():
                                          r"without experts, and quantization='smoothquant'"):
         EngineConfig(device="cpu", dtype="bfloat16", cpu_gemv=True, fused_decode=True,
                      attention_backend="cpu", quantization="smoothquant")
+    for method in ("gptq", "awq"):       # their layers are INT4 ones: the model check decides
+        assert EngineConfig(device="cpu", dtype="bfloat16", quantization=method).use_fused_decode
     with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8'; use 'auto'"):
         EngineConfig(device="cpu", dtype="bfloat16", cpu_gemv=True, fused_decode=True,
                      attention_backend="cpu", kv_cache_dtype="fp8")
@@ -198,8 +200,9 @@ def test_speculative_decoding_runs_fused_and_unfused_steps_alike(tiny_folder):
 def fp32_engine(preset: str, weights: str):
     """An fp32 engine (C++ attention) whose projections hold `weights` ("fp32", "bf16", "int8",
     "int4") as the GEMV layers, its forward wrapped in FusedDecodeForward. Built unfused and then
-    switched, so that bf16 weights can be put into an fp32 model first (the config has no knob for
-    that); fp32, INT8 and INT4 are what LLM(dtype="float32") builds by default."""
+    switched, so that bf16 weights can be put into an fp32 model first (the config does that only for
+    dtype="auto" on CPUs without native bf16); fp32, INT8 and INT4 are what LLM(dtype="float32")
+    builds by default."""
     from workbench.models import make_random_checkpoint
     from workbench.models.cpu_gemv import use_cpu_gemv
     from workbench.models.fused_decode import FusedDecodeForward

@@ -194,6 +194,7 @@ class EngineConfig:
                              "pipeline_parallel_size and expert_parallel_size must be 1)")
         self._resolve_attention_backend()
         self._check_cpu_gemv()
+        self._resolve_weight_dtype()
         self._check_fused_decode()
         self._check_cuda_graphs()
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -269,6 +270,15 @@ class EngineConfig:
         self.cpu_gemv_reason = why_not or ("switched off" if self.cpu_gemv is False else "")
         self.use_cpu_gemv = self.cpu_gemv is not False and why_not is None
 
+    def _resolve_weight_dtype(self) -> None:
+        """dtype="auto" on a CPU without native bf16: fp32 activations over the GEMV layers'
+        weights rounded to bf16 (models/cpu_gemv.py: store_weights_bf16). Decode reads half the
+        bytes; the loops widen bf16 in registers (`python -m workbench.bench speed`: rows "engine
+        default" and "engine fp32 weights")."""
+        self.weight_dtype = self.torch_dtype
+        if self.dtype == "auto" and self.use_cpu_gemv and self.torch_dtype == torch.float32:
+            self.weight_dtype = torch.bfloat16
+
     def _resolve_attention_backend(self) -> None:
         """"auto" on CPU is the C++ paged decode kernel where kernels/cpu builds, else torch's;
         on CUDA the Triton kernels (attention/backends.py)."""
@@ -293,10 +303,11 @@ class EngineConfig:
         elif self.attention_backend != "cpu":
             why_not = (f"it runs the C++ paged attention, and attention_backend="
                        f"{self.attention_backend!r}; use attention_backend='cpu'")
-        elif self.quantization not in (None, "int8", "int4") or self.moe_config is not None:
+        elif self.quantization not in (None, "int8", "int4", "gptq", "awq") \
+                or self.moe_config is not None:
             why_not = (f"it takes bf16, INT8 or INT4 weight-only layers without experts, and "
                        f"quantization={self.quantization!r}, moe_config={self.moe_config!r}; "
-                       "use quantization None, 'int8' or 'int4' and moe_config=None")
+                       "use quantization None, 'int8', 'int4', 'gptq' or 'awq' and moe_config=None")
         elif self.kv_cache_dtype != "auto":
             why_not = (f"it reads a cache in the model's dtype, and kv_cache_dtype="
                        f"{self.kv_cache_dtype!r}; use 'auto'")

@@ -55,6 +55,7 @@ class LLMEngine:
                         kv_bytes_per_token(self.model_args, self.dtype, config.kv_cache_dtype))
         self.tokenizer = load_tokenizer(self.checkpoint)
         self.quantization = None                     # the method the weights carry, if any
+        self.weights_stored_bf16 = 0                 # fp32 layers whose weights are kept in bf16
         self.blocks = BlockManager(
             config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
             num_cpu_blocks=config.num_cpu_blocks,
@@ -111,8 +112,10 @@ class LLMEngine:
             from .parallel.moe import moefy
             moefy(self.model, **config.moe_config)
         if config.use_cpu_gemv:
-            from .models.cpu_gemv import use_cpu_gemv
+            from .models.cpu_gemv import store_weights_bf16, use_cpu_gemv
             use_cpu_gemv(self.model)
+            if config.weight_dtype == torch.bfloat16 and self.dtype == torch.float32:
+                self.weights_stored_bf16 = store_weights_bf16(self.model)
         if config.use_fused_decode:
             from .models.fused_decode import fused_decode_unsupported
             why_not = fused_decode_unsupported(self.model)

@@ -45,6 +45,9 @@ class LLM:
             dtype += (" (auto: CUDA)" if e.device.type == "cuda" else
                       " (auto: this CPU has native bf16)" if dtype == "bfloat16" else
                       " (auto: no native bf16 on this CPU)")
+            if e.weights_stored_bf16:
+                dtype += (f" activations, {e.weights_stored_bf16} layers' weights in bf16 (half "
+                          "the bytes a decode step reads)")
         quant = f", quantization={e.quantization}" if e.quantization else ""
         moe = e.config.moe_config
         quant += f", moe={moe['num_experts']} experts top-{moe['top_k']}" if moe else ""

@@ -9,8 +9,9 @@ process so that every row sees the same machine noise, `repeats` rounds, medians
     engine, torch kernels         fp32, then ACT: eager PyTorch, the reference
     engine + GEMV                 ACT with the hand-written 1-2-row matmuls of kernels/cpu
     engine + GEMV + paged attn    ... and the C++ paged decode attention
+    engine fp32 weights           (fp32 machines) LLM(dtype="float32"): the fused step, fp32 weights
     engine default                LLM(): ACT, the fused C++ decode step over both (what
-                                  `LLM()` picks here; models/fused_decode.py)
+                                  `LLM()` picks here; models/fused_decode.py), bf16 weights
     engine default INT8 / INT4    LLM(quantization="int8" / "int4")
     engine batch_invariant        LLM(batch_invariant=True): the exact mode's batch-1 cost
     llama.cpp                     Q4_1 GGUF through llama-cpp-python, if installed
@@ -48,6 +49,7 @@ ENGINE_ROWS = {   # label -> LLM keyword arguments; each row adds one optimizati
                                         attention_backend="torch"),
     f"engine eager {_NAME} + GEMV + paged attn": dict(dtype=ACT, cpu_gemv=True, fused_decode=False,
                                                      attention_backend="cpu"),
+    **({"engine fp32 weights": dict(dtype="float32")} if ACT == "float32" else {}),
     "engine default": {},
     "engine default INT8": dict(quantization="int8"),
     "engine default INT4": dict(quantization="int4"),

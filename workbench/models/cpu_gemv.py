@@ -13,6 +13,10 @@ forward differs), for bf16 or fp32 activations:
   kernel, which takes fp32 x but runs 28-78x slower (kernels/cpu/gemv.cpp, int4_rows).
 The operators run their own loops for a few rows (1-2 for bf16 activations, more for fp32 ones)
 and torch's kernels above that, so prefill and larger batches are unchanged.
+
+`store_weights_bf16(model)` rounds the weights of the fp32 GemvLinear layers to bf16 and keeps
+the activations fp32 (`dtype="auto"` on CPUs without native bf16): a decode step reads half the
+bytes, the loops widen bf16 to fp32 in registers, and the weights are those of a bf16 model.
 """
 from __future__ import annotations
 
@@ -91,3 +95,15 @@ def use_cpu_gemv(model: nn.Module) -> int:
             m.__class__ = Int4GemvLinear
             switched += 1
     return switched
+
+
+def store_weights_bf16(model: nn.Module) -> int:
+    """Round each fp32 GemvLinear weight to bf16 (as a bf16 model's are); returns how many. A head
+    tied to the embedding gets its own bf16 copy, and the table stays fp32 for the lookup."""
+    stored = 0
+    for m in model.modules():
+        if type(m) is GemvLinear and m.weight.dtype == torch.float32:
+            half = m.weight.detach().to(torch.bfloat16)
+            m.weight = nn.Parameter(half, requires_grad=m.weight.requires_grad)
+            stored += 1
+    return stored
