@@ -3,7 +3,7 @@
 Each notebook's kernel together with every process it starts (parallel workers, servers) is
 sampled every 0.2 s (summed PSS) and its peak printed at the end of the run. With
 WORKBENCH_MEMORY_BUDGET_MIB set and SMOKE sizes, a notebook that peaks over it fails (an error on
-its last cell). `./run test` does not set it yet: chapter 07 peaks at 1.96-2.02 GiB, at Binder's
+its last cell). `./run test` does not set it: chapter 07 peaks at 1.96-2.02 GiB, at Binder's
 2 GiB (`WORKBENCH_MEMORY_BUDGET_MIB=2048 ./run test notebooks` checks it)."""
 from __future__ import annotations
 

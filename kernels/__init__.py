@@ -6,7 +6,7 @@ linear layers), so every kernel can be switched off and compared with its refere
 On CPU, the tests run the kernels through Triton's interpreter (`TRITON_INTERPRET=1`).
 
 Name clash: Hugging Face publishes an unrelated package whose import name is also `kernels`;
-transformers probes for it. See the README ("Our `kernels` and Hugging Face's").
+transformers probes for it. See docs/kernels.md ("Our `kernels` and Hugging Face's").
 """
 import os as _os
 

@@ -4,10 +4,10 @@
 #      interpreter, plus the tests that record real graphs);
 #   2. the GPU speed benchmark (python -m workbench.bench gpu): batch-1 decode and offline-mixed,
 #      eager and with CUDA graphs, on random SmolLM2-135M- and 1B-Llama-shaped weights, against
-#      transformers; the GPU targets; written as JSON;
+#      transformers; the GPU targets; written as JSON;
 #   3. the kernel benchmark (python -m workbench.bench kernels), written as JSON;
 #   4. where papermill and the embedded model are installed: every chapter on CUDA through the
-#      report, kept (--keep) in results/reports/ so the index shows CPU and GPU side by side.
+#      report, kept (--keep) in OUTDIR/reports-STAMP so the index shows CPU and GPU side by side.
 # Usage, from the repository root:  scripts/gpu_check.sh [OUTDIR]   (default results/gpu)
 # GPU_CHECK_STEPS="tests speed" (say) runs only those of: tests speed kernels report. Each step
 # writes its log and JSON into OUTDIR as it goes, so a run cut short keeps what it finished.

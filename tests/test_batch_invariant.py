@@ -3,14 +3,15 @@
 Random batch compositions (other prompts of random lengths, the request at a random place, prompts
 longer than a step's token budget so chunks split differently), compared bit for bit with the
 request run alone. bf16 is the dtype where this fails without the switch on most machines (the
-GEMM picks kernels by row count; padded attention rounds), and fp32 is checked too."""
+GEMM picks kernels by row count; padded attention rounds), and fp32 is checked too; both with the
+CPU kernels' loops in their row-invariant mode (the default) and on torch's padded GEMM
+(cpu_gemv=False)."""
 import random
 
 import pytest
 import torch
 
 from workbench import LLM, SamplingParams
-from workbench.config import cpu_has_native_bf16
 from workbench.models import make_random_checkpoint
 from workbench.models.batch_invariant import MIN_ROWS, rows_that_differ
 
@@ -35,19 +36,22 @@ def check_compositions(llm, vocab: int, rounds: int, seed: int):
         assert together == alone, (len(target), [len(o) for o in others], at)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_tiny_model_results_do_not_depend_on_the_batch(dtype):
+@pytest.mark.parametrize("cpu_gemv", [None, False], ids=["loops", "torch"])
+@pytest.mark.parametrize("dtype, quantization", [("bfloat16", None), ("float32", None),
+                                                 ("auto", None), ("bfloat16", "int8")])
+def test_tiny_model_results_do_not_depend_on_the_batch(dtype, quantization, cpu_gemv):
     folder = make_random_checkpoint("tiny", seed=5)
     llm = LLM(model=str(folder), dtype=dtype, device="cpu", verbose=False, max_model_len=256,
-              max_num_seqs=4, max_num_batched_tokens=32, batch_invariant=True)
+              max_num_seqs=4, max_num_batched_tokens=32, batch_invariant=True,
+              quantization=quantization, cpu_gemv=cpu_gemv)
     check_compositions(llm, 32000, rounds=12, seed=1)
 
 
-def test_smollm2_results_do_not_depend_on_the_batch(smollm2_folder):
-    # bf16 where this CPU has it natively; where it emulates bf16 (AVX2), fp32 keeps the test fast.
-    dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
-    llm = LLM(dtype=dtype, device="cpu", verbose=False, max_model_len=256, max_num_seqs=4,
-              max_num_batched_tokens=48, batch_invariant=True)
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_smollm2_results_do_not_depend_on_the_batch(smollm2_folder, quantization):
+    # dtype "auto": bf16 where this CPU has it natively; elsewhere (AVX2) fp32 over bf16 weights
+    llm = LLM(device="cpu", verbose=False, max_model_len=256, max_num_seqs=4,
+              max_num_batched_tokens=48, batch_invariant=True, quantization=quantization)
     check_compositions(llm, 49152, rounds=4, seed=2)
 
 
@@ -57,8 +61,8 @@ def test_min_rows_covers_the_row_counts_where_this_gemm_changes_its_sums():
 
 
 def test_batch_invariant_refuses_what_it_cannot_keep():
-    with pytest.raises(ValueError, match="cpu_gemv=True is invalid"):
-        LLM(dtype="bfloat16", device="cpu", verbose=False, batch_invariant=True, cpu_gemv=True)
+    with pytest.raises(ValueError, match="fused_decode=True is invalid here: batch_invariant"):
+        LLM(dtype="bfloat16", device="cpu", verbose=False, batch_invariant=True, fused_decode=True)
     with pytest.raises(ValueError, match="compile=True is invalid with batch_invariant"):
         LLM(device="cpu", verbose=False, batch_invariant=True, compile=True)
     with pytest.raises(ValueError, match="batch_invariant='yes' is invalid"):

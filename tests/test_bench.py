@@ -24,7 +24,7 @@ def test_bandwidth_helpers():
 
 
 def test_kernels_benchmark_rows_through_the_interpreter():
-    """The GPU benchmark's code paths on tiny shapes, so a GPU session never finds a Python error;
+    """The GPU benchmark's code paths on tiny shapes, so a GPU run never finds a Python error;
     each row carries the kernel's error against SDPA, which must be small."""
     from workbench.bench import kernels as kb
     fa = kb.flash_attention_rows(dtype=torch.float32, seq_lens=(32,), tokens=64, heads=2,

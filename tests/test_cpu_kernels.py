@@ -142,12 +142,15 @@ def int4_exact_and_bound(layer, x, group):
     scale = layer.scale.double()[..., None]
     w = (codes * scale + layer.minimum.double()[..., None]).view(n, -1)
     xd = x.double()
+    if group % 128:               # smaller groups: the weight widened to fp32, x not rounded
+        return xd @ w.t(), fp32_sum_bound(x, w)
     chunk_max = xd.abs().view(x.shape[0], -1, 128).amax(-1, keepdim=True).expand(-1, -1, 128)
     x_rounding = chunk_max.reshape(x.shape) / 65534 @ (codes * scale).view(n, -1).abs().t()
     return xd @ w.t(), fp32_sum_bound(x, w) + x_rounding
 
 
-INT4_SHAPES = [(960, 576, 128), (576, 1536, 128), (48, 130, 128), (64, 1024, 256)]
+INT4_SHAPES = [(960, 576, 128), (576, 1536, 128), (48, 130, 128), (64, 1024, 256),
+               (960, 576, 32), (64, 1024, 64)]   # groups of 32 and 64: widened or aten's kernel
 
 
 @needs_kernels
@@ -173,7 +176,7 @@ def test_int4_weights_give_the_exact_product(x_dtype, w_dtype, rows, n, k, group
                                                        layer.minimum, group, aten_packed,
                                                        aten_scale_zero)
     exact, bound = int4_exact_and_bound(layer, x, group)
-    if x_dtype == torch.bfloat16 and rows > MAX_ROWS:
+    if x_dtype == torch.bfloat16 and (rows > MAX_ROWS or group % 128):
         aten = torch.ops.aten._weight_int4pack_mm_for_cpu(x, aten_packed, group, aten_scale_zero)
         assert torch.equal(out, aten) and torch.equal(out_unpadded, aten)
     else:
@@ -181,14 +184,61 @@ def test_int4_weights_give_the_exact_product(x_dtype, w_dtype, rows, n, k, group
         assert_close(out_unpadded, exact, bound)      # fp32 GEMM above 64 rows: another K
 
 
+class RowInvariant:
+    """The kernels' row-invariant mode on this thread, restored on exit."""
+
+    def __enter__(self):
+        self.previous = torch.ops.workbench_cpu.set_row_invariant(True)
+
+    def __exit__(self, *exc):
+        torch.ops.workbench_cpu.set_row_invariant(self.previous)
+
+
+def row_invariant_ops(x_dtype, n, k, g):
+    """(name, f(x) -> y) for every weight format the loops take with x_dtype."""
+    w = torch.randn(n, k, generator=g) * 0.05
+    q = (w / (w.abs().amax(1, keepdim=True) / 127)).round().to(torch.int8)
+    scale = (w.abs().amax(1) / 127).to(x_dtype)
+    layer = int4_layer(n, k, 128, torch.bfloat16 if x_dtype == torch.bfloat16 else torch.float32, g)
+    aten_packed, _, aten_scale_zero = layer._aten_pack(layer.scale.dtype)
+    ops = [("bf16 w", lambda x: torch.ops.workbench_cpu.linear_bf16(x, w.bfloat16())),
+           ("int8 w", lambda x: torch.ops.workbench_cpu.linear_int8(x, q, scale)),
+           ("int4 w", lambda x: torch.ops.workbench_cpu.linear_int4(
+               x, layer.packed, layer.scale, layer.minimum, 128, aten_packed, aten_scale_zero))]
+    if x_dtype == torch.float32:
+        ops.append(("fp32 w", lambda x: torch.ops.workbench_cpu.linear_fp32(x, w)))
+    return ops
+
+
+@needs_kernels
+@pytest.mark.parametrize("x_dtype", X_DTYPES, ids=["x_bf16", "x_fp32"])
+def test_row_invariant_mode_gives_each_row_the_same_bits_at_every_row_count(x_dtype):
+    """batch_invariant=True's kernels: a row's output is bit for bit the same alone and inside
+    batches of every size, on both sides of every switch to torch's GEMM (2, 16, 64 rows); and
+    outside the mode it is not always (else the mode would be a no-op and this test could not
+    fail)."""
+    n, k = 592, 1536                  # N % 16 == 0: aten's INT4 layout needs it
+    g = torch.Generator().manual_seed(7)
+    batch = torch.randn(96, k, generator=g).to(x_dtype)
+    for name, op in row_invariant_ops(x_dtype, n, k, g):
+        with RowInvariant():
+            alone = torch.cat([op(batch[i:i + 1]) for i in range(96)])
+            for rows in (2, 3, 5, 16, 17, 64, 65, 96):
+                assert torch.equal(op(batch[:rows]), alone[:rows]), (name, rows)
+        assert torch.ops.workbench_cpu.set_row_invariant(False) is False   # restored
+        default_alone = torch.cat([op(batch[i:i + 1]) for i in range(96)])
+        assert not torch.equal(op(batch), default_alone), (
+            name, "the default mode gives every row the same bits alone and among 96")
+
+
 @needs_kernels
 def test_int4_bad_inputs_are_named():
     g = torch.Generator().manual_seed(0)
     layer = int4_layer(32, 128, 64, torch.bfloat16, g)
     p, _, sz = layer._aten_pack(torch.bfloat16)
-    with pytest.raises(RuntimeError, match="group_size must be a multiple of 128 dividing 128, got 64"):
+    with pytest.raises(RuntimeError, match="group_size must be even and divide 128, got 48"):
         torch.ops.workbench_cpu.linear_int4(torch.randn(1, 128).bfloat16(), layer.packed,
-                                            layer.scale, layer.minimum, 64, p, sz)
+                                            layer.scale, layer.minimum, 48, p, sz)
     layer = int4_layer(32, 128, 128, torch.bfloat16, g)
     p, _, sz = layer._aten_pack(torch.bfloat16)
     with pytest.raises(RuntimeError, match=r"scale and minimum must be contiguous \(32, 1\) "
@@ -206,9 +256,9 @@ def test_int4_bad_inputs_are_named():
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_quantized_engines_give_the_same_tokens_with_the_kernels(tiny_folder, method, group,
                                                                  compile):
-    """INT8 layers (all of an INT8 model, the LM head of an INT4 one) and INT4 layers of group
-    size 128 switch to the kernels and give aten's greedy tokens on the tiny model (group 32
-    keeps aten's INT4 kernel)."""
+    """INT8 layers (all of an INT8 model, the LM head of an INT4 one) and INT4 layers switch to
+    the kernels and give aten's greedy tokens on the tiny model (group 128 on the INT4 loop;
+    group 32 on aten's INT4 kernel there too, bf16 x)."""
     from workbench.models.cpu_gemv import Int4GemvLinear, Int8GemvLinear
     kwargs = dict(model=str(tiny_folder), dtype="bfloat16", device="cpu", verbose=False,
                   max_model_len=64, quantization=method, compile=compile,
@@ -217,7 +267,7 @@ def test_quantized_engines_give_the_same_tokens_with_the_kernels(tiny_folder, me
     assert isinstance(on.engine.model.lm_head, Int8GemvLinear)
     assert not isinstance(off.engine.model.lm_head, Int8GemvLinear)
     int4_layers = isinstance(on.engine.model.layers[0].mlp.down_proj, Int4GemvLinear)
-    assert int4_layers == (group == 128)
+    assert int4_layers == (method == "int4")
     prompts = [[5, 6, 7, 8, 9], [11, 12], [40, 41, 42]]
     params = SamplingParams(temperature=0, max_tokens=8)
     assert ([o.outputs[0].token_ids for o in on.generate(prompts, params)]
@@ -268,8 +318,11 @@ def test_decode_steps_agree_with_torchs_kernels(kwargs):
 def test_cpu_gemv_setting_is_validated():
     with pytest.raises(ValueError, match=r"cpu_gemv='yes' is invalid: allowed are None"):
         EngineConfig(cpu_gemv="yes", device="cpu")
-    with pytest.raises(ValueError, match=r"cpu_gemv=True is invalid here: batch_invariant=True"):
-        EngineConfig(cpu_gemv=True, device="cpu", batch_invariant=True)
+    with pytest.raises(ValueError, match=r"fused_decode=True is invalid here: batch_invariant"):
+        EngineConfig(fused_decode=True, device="cpu", batch_invariant=True)
+    # batch_invariant keeps the loops (in their row-invariant mode), not the fused step
+    inv = EngineConfig(device="cpu", batch_invariant=True)
+    assert inv.use_cpu_gemv == OK and not inv.use_fused_decode
     for dtype in ("float32", "bfloat16"):                 # on by default where the kernels build
         assert EngineConfig(device="cpu", dtype=dtype).use_cpu_gemv == OK
     off = EngineConfig(device="cpu", cpu_gemv=False)

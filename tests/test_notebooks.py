@@ -60,6 +60,9 @@ def test_committed_without_outputs(path):
             f"{path.name}: code cell {i} has an execution count; clear outputs before committing")
 
 
+SMOKE_LINE = re.compile(r'^SMOKE = os\.environ\.get\("WORKBENCH_SMOKE", "0"\) == "1"', re.M)
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_first_code_cell_is_parameters(path):
     nb = load(path)
@@ -75,6 +78,9 @@ def test_first_code_cell_is_parameters(path):
                 if isinstance(t, ast.Name)}
     missing = {"DEVICE", "SMOKE"} - assigned
     assert not missing, f"{path.name}: the parameters cell does not assign {sorted(missing)}"
+    # one way to read WORKBENCH_SMOKE in every chapter (./run test and Binder set it to 1)
+    assert SMOKE_LINE.search(source(first)), (
+        f"{path.name}: the parameters cell must set SMOKE as: {SMOKE_LINE.pattern}")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)

@@ -91,7 +91,7 @@ def test_int8_meets_the_acceptance_bounds(smollm2_reference):
                quantization="int8")
     kl, top1 = kl_and_top1(ref.engine.model, cand.engine.model, heldout(ref.engine.tokenizer))
     print(f"int8 vs bf16 on held-out CPython docs: mean KL {kl:.5f}, top-1 agreement {top1:.4f}")
-    # The issue asks for top-1 >= 98%: not reachable on this model and text. bf16 alone against
+    # Top-1 >= 98% is not reachable on this model and text: bf16 alone against
     # fp32 agrees on 97.3% of these positions (KL 0.0012); INT8 per-channel RTN measures about
     # 94% (KL ~0.008). The KL bound holds; top-1 is held to what was measured, with a margin.
     assert kl <= 0.01

@@ -46,8 +46,8 @@ PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time",
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """One intra-op thread for this module. On the shared 2-core machine (load ~5), a 128-token
-    prefill measured 0.23 s with 1 thread and 1-10 s with 2: every small op's parallel region
+    """One intra-op thread for this module. On a shared 2-core machine (load ~5), a 128-token
+    prefill takes 0.23 s with 1 thread and 1-10 s with 2: every small op's parallel region
     waits for a descheduled thread. Restored afterwards."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)

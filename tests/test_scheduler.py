@@ -5,6 +5,8 @@ from hypothesis import given, settings, strategies as st
 
 from workbench import LLM, SamplingParams
 
+from random_ops import drive, operations
+
 
 @pytest.fixture(scope="module")
 def llm2(tiny_folder):
@@ -69,36 +71,24 @@ def test_abort_frees_the_blocks_and_the_queue_moves_on(llm2):
     assert engine.blocks.pool.num_used == 0 and not engine.has_unfinished_requests()
 
 
+def add_plain(engine, args):
+    prompt_len, max_tokens, priority = args
+    rid = engine.add_request(list(range(1, prompt_len + 1)), params(max_tokens), priority=priority)
+    return rid, (prompt_len, max_tokens)
+
+
+def check_running(engine):
+    engine.blocks.check_invariants()
+    running = engine.scheduler.running
+    assert len(running) <= engine.config.max_num_seqs
+    assert set(engine.blocks.tables) == {s.request_id for s in running}
+
+
 @settings(max_examples=25, deadline=None)
-@given(ops=st.lists(st.one_of(
-    st.tuples(st.just("add"), st.integers(1, 20), st.integers(1, 12), st.integers(0, 2)),
-    st.tuples(st.just("abort"), st.integers(0, 30)),
-    st.tuples(st.just("step"), st.integers(1, 3))), min_size=1, max_size=25))
+@given(ops=operations(st.tuples(st.integers(1, 20), st.integers(1, 12), st.integers(0, 2))))
 def test_invariants_under_random_operations(tight, ops):
     engine = tight.engine
-    live, done = {}, {}
-    for op in ops:
-        if op[0] == "add":
-            _, prompt_len, max_tokens, priority = op
-            rid = engine.add_request(list(range(1, prompt_len + 1)), params(max_tokens),
-                                     priority=priority)
-            live[rid] = (prompt_len, max_tokens)
-        elif op[0] == "abort" and live:
-            rid = sorted(live)[op[1] % len(live)]
-            engine.abort_request(rid)
-            live.pop(rid)
-        else:
-            for _ in range(op[1]):
-                engine.step()
-        engine.blocks.check_invariants()
-        running = engine.scheduler.running
-        assert len(running) <= engine.config.max_num_seqs
-        assert set(engine.blocks.tables) == {s.request_id for s in running}
-        for rid in [r for r in live if engine.get_sequence(r).is_finished]:
-            done[rid] = live.pop(rid)
-    while engine.has_unfinished_requests():
-        engine.step()
-    done.update(live)
+    done = drive(engine, ops, add_plain, check_running)
     for rid, (prompt_len, max_tokens) in done.items():  # no request lost, each got what it asked
         out = engine.pop_output(rid)
         # 40 slots in all: a sequence alone can hold 40 tokens and sample a 41st.

@@ -12,6 +12,8 @@ from hypothesis import given, settings, strategies as st
 
 from workbench import LLM, SamplingParams
 
+from random_ops import drive, operations
+
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
     "The cat sat on the mat. The dog sat on the log. The bird sat on the",
@@ -111,41 +113,29 @@ def tight(tiny_folder, request):
                                    "draft_quantization": "int8"})
 
 
+def add_speculating(engine, args):
+    prompt_len, max_tokens, k, sampled = args
+    params = SamplingParams(temperature=1.0 if sampled else 0, max_tokens=max_tokens,
+                            ignore_eos=True, num_speculative_tokens=k, seed=k)
+    return engine.add_request(list(range(1, prompt_len + 1)), params), max_tokens
+
+
+def check_blocks(engine):
+    engine.blocks.check_invariants()
+    running = engine.scheduler.running
+    assert set(engine.blocks.tables) == {s.request_id for s in running}
+    for seq in running:   # no sequence holds a block past its tokens (+ next step's lookahead)
+        assert len(engine.blocks.tables[seq.request_id]) <= engine.blocks.blocks_for(
+            seq.num_tokens)
+
+
 @settings(max_examples=20, deadline=None)
-@given(ops=st.lists(st.one_of(
-    st.tuples(st.just("add"), st.integers(1, 16), st.integers(1, 14), st.integers(0, 3),
-              st.booleans()),
-    st.tuples(st.just("abort"), st.integers(0, 30)),
-    st.tuples(st.just("step"), st.integers(1, 3))), min_size=1, max_size=25))
+@given(ops=operations(st.tuples(st.integers(1, 16), st.integers(1, 14), st.integers(0, 3),
+                                st.booleans())))
 def test_no_block_leaks_under_random_operations(tight, ops):
     engine = tight.engine
-    live = {}
-    for op in ops:
-        if op[0] == "add":
-            _, prompt_len, max_tokens, k, sampled = op
-            params = SamplingParams(temperature=1.0 if sampled else 0, max_tokens=max_tokens,
-                                    ignore_eos=True, num_speculative_tokens=k, seed=k)
-            rid = engine.add_request(list(range(1, prompt_len + 1)), params)
-            live[rid] = max_tokens
-        elif op[0] == "abort" and live:
-            rid = sorted(live)[op[1] % len(live)]
-            engine.abort_request(rid)
-            live.pop(rid)
-        else:
-            for _ in range(op[1]):
-                engine.step()
-        engine.blocks.check_invariants()
-        running = engine.scheduler.running
-        assert set(engine.blocks.tables) == {s.request_id for s in running}
-        for seq in running:   # no sequence holds a block past its tokens (+ next step's lookahead)
-            assert len(engine.blocks.tables[seq.request_id]) <= engine.blocks.blocks_for(
-                seq.num_tokens)
-        for rid in [r for r in live if engine.get_sequence(r).is_finished]:
-            live.pop(rid)
-    while engine.has_unfinished_requests():
-        engine.step()
-        engine.blocks.check_invariants()
-    for rid, max_tokens in live.items():
+    kept = drive(engine, ops, add_speculating, check_blocks)
+    for rid, max_tokens in kept.items():
         assert 1 <= len(engine.pop_output(rid).outputs[0].token_ids) <= max_tokens
     for rid in list(engine._sequences):
         engine.pop_output(rid)

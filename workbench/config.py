@@ -105,13 +105,14 @@ class EngineConfig:
     # the weights in memory (the model keeps its own for the eager paths).
     freeze_weights: bool = False
     # Results that do not depend on which other sequences share a step (vLLM's
-    # VLLM_BATCH_INVARIANT, SGLang's --enable-deterministic-inference): matmuls see a fixed minimum
-    # number of rows, attention runs each sequence on its own, and the kernels whose rounding
-    # depends on the row count (cpu_gemv, fused_decode) stay off (models/batch_invariant.py).
+    # VLLM_BATCH_INVARIANT, SGLang's --enable-deterministic-inference): the CPU kernels' loops take
+    # every row count with one sum order per row, torch's matmuls see a fixed minimum number of
+    # rows, attention runs each sequence on its own, and the fused decode step, whose norms sum in
+    # another order than the steps that carry a prefill, stays off (models/batch_invariant.py).
     batch_invariant: bool = False
     # Hand-written matmuls for steps of few rows (kernels/cpu; 1-2 rows in bf16, up to 16-64 in
     # fp32): bf16 and fp32 layers, and INT8 / INT4 (group size 128) quantized ones. None (the
-    # default): on where they can run (CPU, one process, not batch_invariant, not freeze_weights);
+    # default): on where they can run (CPU, one process, not freeze_weights);
     # True: insist; False: torch's kernels.
     cpu_gemv: bool | None = None
     # A decode-only step as one C++ call, every layer inside (models/fused_decode.py): bf16 or fp32
@@ -255,9 +256,6 @@ class EngineConfig:
             why_not = f"they take bf16 or fp32 activations and dtype is {self.torch_dtype}"
         elif self.world_size > 1:
             why_not = "the parallel workers keep torch's kernels"
-        elif self.batch_invariant:
-            why_not = ("batch_invariant=True: the loops round a 1-2-row step differently from "
-                       "torch's GEMM")
         elif self.freeze_weights and self.cpu_gemv is None:
             why_not = ("freeze_weights=True prepacks the matmuls for oneDNN, which the loops' "
                        "operators would hide from the compiler")
@@ -300,6 +298,10 @@ class EngineConfig:
         why_not = None
         if not self.use_cpu_gemv:
             why_not = f"the GEMV kernels it runs are off (cpu_gemv: {self.cpu_gemv_reason})"
+        elif self.batch_invariant:
+            why_not = ("batch_invariant=True: its norms sum in another order than the layer-by-"
+                       "layer steps that carry a prefill, so a sequence's numbers would depend on "
+                       "what shares its step")
         elif self.attention_backend != "cpu":
             why_not = (f"it runs the C++ paged attention, and attention_backend="
                        f"{self.attention_backend!r}; use attention_backend='cpu'")

@@ -82,7 +82,8 @@ class LLMEngine:
                                       self.device, compile=config.compile,
                                       fused_decode=config.use_fused_decode,
                                       cuda_graphs=self._graph_settings(config),
-                                      freeze_weights=config.freeze_weights)
+                                      freeze_weights=config.freeze_weights,
+                                      row_invariant=config.batch_invariant and config.use_cpu_gemv)
         self.sampler = Sampler(config.seed)
         self.drafter = None
         if config.spec_config is not None:

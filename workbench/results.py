@@ -10,8 +10,12 @@ global state, and a number exists only if the cell that measured it ran.
 """
 from __future__ import annotations
 
+import glob
+import json
 import math
 import numbers
+from pathlib import Path
+from typing import Sequence
 
 MIME_TYPE = "application/vnd.workbench.result+json"
 
@@ -56,3 +60,23 @@ def records_in(nb) -> list[dict]:
                 found.pop(entry["key"], None)
                 found[entry["key"]] = entry
     return list(found.values())
+
+
+def find_results(pattern: str, start: Path | str | None = None,
+                 extra_roots: Sequence[Path | str] = ()) -> list[dict]:
+    """Committed benchmark results matching `pattern` (e.g. "results/cpu/speed-*.json"), found
+    from `start` (default: the working directory) and its parents, and from `extra_roots`; each
+    dict gains a "file" key. Sorted by date."""
+    roots = [Path(start or Path.cwd()).resolve()]
+    roots += list(roots[0].parents)[:3] + [Path(r) for r in extra_roots]
+    seen, found = set(), []
+    for root in roots:
+        for name in sorted(glob.glob(str(root / pattern))):
+            path = Path(name).resolve()
+            if path in seen:
+                continue
+            seen.add(path)
+            data = json.loads(path.read_text(encoding="utf-8"))
+            data["file"] = path.name
+            found.append(data)
+    return sorted(found, key=lambda d: str(d.get("date", "")))

@@ -100,8 +100,11 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, cache: PagedKVCache, blocks: BlockManager | None,
                  backend, device: torch.device, compile: bool = False,
                  fused_decode: bool = False, cuda_graphs: dict | None = None,
-                 freeze_weights: bool = False):
+                 freeze_weights: bool = False, row_invariant: bool = False):
         self.model, self.cache, self.blocks = model, cache, blocks
+        # batch_invariant=True with the CPU kernels: their loops take every row count, one sum
+        # order per row (kernels/cpu/gemv.cpp, set_row_invariant), for the whole step
+        self.row_invariant = row_invariant
         self.backend, self.device = backend, device
         self.forward_fn = model          # or the compiled forward (compiles on its first call)
         self.compute_logits = model.compute_logits
@@ -142,8 +145,15 @@ class ModelRunner:
         if step.ops:
             self.cache.apply(step.ops)
         input_ids, positions, meta = packed or self.pack(step.rows, step.tables)
-        hidden = self.forward_fn(input_ids, positions, self.cache.kv_caches, meta, self.backend)
-        return self.logits(hidden, step)
+        if not self.row_invariant:
+            hidden = self.forward_fn(input_ids, positions, self.cache.kv_caches, meta, self.backend)
+            return self.logits(hidden, step)
+        previous = torch.ops.workbench_cpu.set_row_invariant(True)
+        try:
+            hidden = self.forward_fn(input_ids, positions, self.cache.kv_caches, meta, self.backend)
+            return self.logits(hidden, step)
+        finally:
+            torch.ops.workbench_cpu.set_row_invariant(previous)
 
     def logits(self, hidden: torch.Tensor, step: StepInputs) -> ForwardOutput:
         wanted, end, sample = set(step.logit_rows), 0, []

@@ -19,6 +19,9 @@ Registered as torch operators:
     torch.ops.workbench_cpu.linear_int4(x, packed, scale, minimum, group_size, aten_packed,
                                         aten_scale_zero)
         Int4Linear's codes (N, K/2) and per-group scale/minimum; aten's layout for 3+ rows
+    torch.ops.workbench_cpu.set_row_invariant(on) -> previous
+        this thread's row-invariant mode: the loops take every row count, one sum order per row
+        (batch_invariant=True)
     torch.ops.workbench_cpu.paged_decode(q, k_cache, v_cache, block_tables, seq_lens,
                                          block_size, scale)
         q (seqs, H, D) one decode query per sequence; caches (slots, KVH, D); bf16 or fp32

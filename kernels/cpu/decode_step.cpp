@@ -8,7 +8,7 @@
 // reading the weights in the GEMV loops, which is the part memory bandwidth sets. Most of the rest
 // is calling: ~120 GEMV and ~120 fused-kernel calls from Inductor's Python wrapper, 30 attention
 // calls through a Python custom op and the backend, and 336 size asserts (measured with
-// torch.profiler on the 2-core AMD EPYC VM: the graph's own time 1.5 ms, the attention op's
+// torch.profiler on a 2-core AMD EPYC: the graph's own time 1.5 ms, the attention op's
 // Python 0.4 ms). Here the layer loop is C++ and the small operations between the matmuls are
 // vector loops over a few hundred values, so what remains is the matmuls, the attention kernel and
 // one Python call. llama.cpp runs its whole graph in C the same way. With fp32 activations

@@ -5,9 +5,10 @@
 // Why hand-written: at batch 1 a decode step multiplies one activation row by every weight
 // matrix, so its speed is the speed at which the weights stream from memory. PyTorch's bf16
 // `F.linear` for one row goes through a GEMM path built for big batches and streams bf16 weights
-// at about half the rate its own fp32 GEMV reaches on the same machine (see the README's speed
-// ladder). These loops do what llama.cpp's CPU dot products do: one pass over each weight row,
-// multiply-added into fp32 accumulators, rows split across threads.
+// well below the memory's rate: 6.5 GB/s against 14.5 for its own fp32 path on a 2-core Intel
+// Xeon, 9.7 GB/s of a 37 GB/s copy bandwidth on a 2-core AMD EPYC (`python -m workbench.bench
+// speed`, the eager rows; results/cpu/). These loops do what llama.cpp's CPU dot products do: one
+// pass over each weight row, multiply-added into fp32 accumulators, rows split across threads.
 //
 // Portable: the arithmetic is written on wb::Vec (at::vec::Vectorized<float>, isa.h), so one
 // source builds for AVX-512, AVX2 and any other CPU (ARM through ATen's NEON vector). Only a few
@@ -22,14 +23,14 @@
 // 17.7, M=8 36.3 vs 24.0). fp32 x runs them in tiles of rows (each weight row read once per tile)
 // up to the per-format limits below, measured separately.
 //
-// Earlier versions (2-core Intel Xeon VM with AVX-512 BF16 and AMX):
-// - INT4, first version: a row-major loop with a horizontal sum per group and the codes widened to
-//   floats ran 1.9x slower than aten's _weight_int4pack_mm_for_cpu. The kept loops make operands
-//   from the codes with a few integer ops and sum once per row.
-// - INT8 weight-only, first version: widening int8 to fp32 (vpmovsxbd, vcvtdq2ps, vfmadd) ran at
-//   ~10.5 GB/s there, the same as aten's _weight_int8pack_mm. Rewritten like the bf16 loop (one
-//   row at a time, four accumulators, x widened to fp32 once per call) on the AMD EPYC VM it reads
-//   26 GB/s, the bandwidth roof, against 17 GB/s for aten's on SmolLM2's LM head.
+// Why the INT4 and INT8 loops take their shape (python -m kernels.cpu.bench --formats int4,int8):
+// - INT4 makes operands from the codes with a few integer ops and sums once per row: a row-major
+//   loop with a horizontal sum per group and the codes widened to floats runs 1.9x slower than
+//   aten's _weight_int4pack_mm_for_cpu (2-core Intel Xeon with AVX-512 BF16 and AMX).
+// - INT8 weight-only runs like the bf16 loop (one row at a time, four accumulators, x widened to
+//   fp32 once per call): 26 GB/s on SmolLM2's LM head, the bandwidth roof, against 17 GB/s for
+//   aten's _weight_int8pack_mm (2-core AMD EPYC). Widening each int8 to fp32 (vpmovsxbd, vcvtdq2ps,
+//   vfmadd) reaches only ~10.5 GB/s, no faster than aten's (2-core Intel Xeon).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -68,6 +69,11 @@ constexpr int64_t kMaxRowsFp32Quant = 64;
 constexpr int64_t kTileDense = 4;      // rows of x per pass over a block (bf16/fp32/int8 loops)
 constexpr int64_t kTileInt4 = 2;       // rows of x per pass over a block (INT4 loop)
 
+// Row-invariant mode (LLM(batch_invariant=True), set per thread by set_row_invariant): every row
+// count runs the loops, with the same accumulator chains per row, so a row's sums are added in one
+// order whatever else shares the call (no switch to torch's GEMM, whose order depends on M).
+thread_local bool row_invariant = false;
+
 template <int R>
 using Rows = std::integral_constant<int, R>;
 
@@ -99,16 +105,15 @@ inline Vec load_w(const int8_t* p) { return wb::load_int8(p); }
 // ------------------------------------------------------------------------------ dense (fp32 x)
 // Rows n0..n1 of W (bf16, fp32 or int8), one row at a time: each thread reads its share of W as
 // one sequential stream, the pattern hardware prefetchers follow best. (Interleaving 4 rows to
-// reuse each load of x ran 19-21 GB/s against 24-26 for one row at a time, on the 2-core AMD EPYC
-// VM; x is a few KB and stays in L1.) C accumulators per x row hide the FMA latency. finish(m, n,
+// reuse each load of x runs 19-21 GB/s against 24-26 for one row at a time, on a 2-core AMD EPYC;
+// x is a few KB and stays in L1.) C accumulators per x row hide the FMA latency. finish(m, n,
 // sum) stores the row's fp32 sum. M=1, 1 thread, torch/ours (python -m kernels.cpu.bench --threads
 // 1 --formats bf16,fp32,int8): fp32 x, bf16 w 1.3-1.6x the fp32 F.linear on AVX2 and 1.9-2.6x on
 // AVX-512 (LM head 4.2x / 4.7x), fp32 w 1.2-1.3x / 1.3-1.7x (LM head 2.4x / 2.7x), int8 w 14-19x /
 // 20-35x aten's int8 kernel with fp32 x; bf16 x, int8 w 1.2-1.3x / 1.1-1.3x (LM head 2.1x / 1.8x).
-template <int M, class T, class Finish>
+template <int M, int C, class T, class Finish>
 void dense_rows(const float* x, const T* w, int64_t K, int64_t n0, int64_t n1,
                 const Finish& finish) {
-  constexpr int C = M == 1 ? 4 : 2;
   constexpr int64_t kStep = kLanes * C;
   const int64_t body = K - K % kStep, mid = K - K % kLanes;
   for (int64_t n = n0; n < n1; n++) {
@@ -155,9 +160,11 @@ void with_y(at::Tensor& y, const Fn& fn) {
 constexpr const float* kNoScale = nullptr;
 
 // y = x @ w.T (times scale[n] when scale is given) for every row of x, in tiles of kTileDense.
+// A lone row takes 4 accumulator chains (more FMAs in flight), tiles 2; row-invariant mode, 2 always.
 template <class T, class S>
 void dense_linear(const at::Tensor& x, const T* w, const S* scale, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
+  const bool invariant = row_invariant;      // read on the calling thread
   std::vector<float> buf;
   const float* xf = x_as_fp32(x, buf);
   with_y(y, [&](auto* yp) {
@@ -169,7 +176,9 @@ void dense_linear(const at::Tensor& x, const T* w, const S* scale, at::Tensor& y
           auto finish = [&](int m, int64_t n, float sum) {
             yt[m * N + n] = static_cast<Y>(scale ? sum * static_cast<float>(scale[n]) : sum);
           };
-          dense_rows<decltype(rows)::value>(xf + m0 * K, w, K, b0, b1, finish);
+          constexpr int R = decltype(rows)::value;
+          if (R == 1 && !invariant) dense_rows<R, 4>(xf + m0 * K, w, K, b0, b1, finish);
+          else dense_rows<R, 2>(xf + m0 * K, w, K, b0, b1, finish);
         });
       });
     });
@@ -217,13 +226,17 @@ void bf16_rows(const bf16* x, const bf16* w, bf16* y, int64_t N, int64_t K, int6
   }
 }
 
-// bf16 x and bf16 w, M <= kMaxRows.
+// bf16 x and bf16 w: M <= kMaxRows, or any M in row-invariant mode (tiles of 2 rows per pass over
+// a block of weight rows; a row's chains are the same in a tile of 1 or 2).
 void bf16_bf16_linear(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   auto xp = x.data_ptr<bf16>(), wp = w.data_ptr<bf16>(), yp = y.data_ptr<bf16>();
   at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
-    if (M == 1) bf16_rows<1>(xp, wp, yp, N, K, n0, n1);
-    else bf16_rows<2>(xp, wp, yp, N, K, n0, n1);
+    for_blocks(n0, n1, [&](int64_t b0, int64_t b1) {
+      for_tiles<2>(M, [&](auto rows, int64_t m0) {
+        bf16_rows<decltype(rows)::value>(xp + m0 * K, wp, yp + m0 * N, N, K, b0, b1);
+      });
+    });
   });
 }
 #else
@@ -298,7 +311,7 @@ void prepare_int4_x(const X* x, int64_t M, int64_t Kx, int64_t K, int64_t gs, bo
 // (|error| <= max|x| / 65534 per element), far below bf16's 8 bits. AVX2, 1 thread, 3072 x 640
 // codes: 39.7 us, against 80.4 for codes widened to fp32 with fp32 x and 29.1 for llama.cpp's int8
 // x (vpmaddubsw), whose x rounding errs ~250x more (kernels/cpu/bench_int4_avx2.cpp says how).
-// AVX-512 on the AMD EPYC VM (Zen 4 runs 512-bit ops as two 256-bit halves) is no faster.
+// AVX-512 on a 2-core AMD EPYC (Zen 4 runs 512-bit ops as two 256-bit halves) is no faster.
 #if defined(WB_ISA_AVX512)
 template <int M>
 inline void int4_chunk(const uint8_t* w, const int16_t* xq, int64_t K, Vec* d) {
@@ -392,16 +405,18 @@ void int4_rows(const Int4X& xp, int64_t m0, const uint8_t* w, const Sc* scale, c
 // into bf16 lanes that vdpbf16ps multiplies with x directly, products exact:
 //   D_g = sum_{k in g} x_k (128 + q_k) - 128 S_g.
 // D_g stays a 16-lane vector scaled into the row's accumulator: one horizontal sum per row.
-// (Widening bytes to words first, vpmovzxbw, ran ~8.5 cycles per 64 codes; this ~40% fewer
-// instructions.) Output bf16 only. As fast as the int16 loop on the AMD EPYC VM (gate_up 41.3 vs
+// (Widening bytes to words first, vpmovzxbw, runs ~8.5 cycles per 64 codes; this ~40% fewer
+// instructions.) Output bf16 only. As fast as the int16 loop on a 2-core AMD EPYC (gate_up 41.3 vs
 // 41.0 us, --x bf16 --formats int4 --threads 1 on the avx512bf16 and avx512 builds) and exact for
 // bf16 x, so bf16 x keeps it; 1.3-1.4x aten's bf16 kernel on gate_up, down and the LM head.
 template <int M, class Sc>
-void int4_rows_bf16(const Int4X& xp, const uint8_t* w, const Sc* scale, const Sc* minimum,
-                    bf16* y, int64_t N, int64_t K, int64_t gs, int64_t n0, int64_t n1) {
+void int4_rows_bf16(const Int4X& xp, int64_t m0, const uint8_t* w, const Sc* scale,
+                    const Sc* minimum, bf16* y, int64_t N, int64_t K, int64_t gs, int64_t n0,
+                    int64_t n1) {
   const int64_t G = K / gs;
-  const bf16* xr = xp.r.data();
-  const float* S = xp.S.data();
+  const bf16* xr = xp.r.data() + m0 * K;
+  const float* S = xp.S.data() + m0 * G;
+  y += m0 * N;
   const __m512i low4 = _mm512_set1_epi16(0x0F), b128 = _mm512_set1_epi16(0x4300);
   for (int64_t n = n0; n < n1; n++) {
     const uint8_t* wn = w + n * (K / 2);
@@ -480,7 +495,7 @@ void linear_fp32_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   check_y(y, x, M, N);
   if (M == 0) return;   // no rows (e.g. a step that samples none): nothing to compute
   TORCH_CHECK(x.scalar_type() == at::kFloat, "fp32 w needs fp32 x, got ", x.scalar_type());
-  if (M > kMaxRowsFp32Fp32) {
+  if (M > kMaxRowsFp32Fp32 && !row_invariant) {
     at::mm_out(y, x, w.t());
     return;
   }
@@ -496,11 +511,11 @@ void linear_bf16_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   check_y(y, x, M, N);
   if (M == 0) return;   // no rows (e.g. a step that samples none): nothing to compute
   const bool fp32 = x.scalar_type() == at::kFloat;
-  if (!fp32 && M > kMaxRows) {   // torch's GEMM: the kernel at::linear runs for a 2-D x, no bias
+  if (!fp32 && M > kMaxRows && !row_invariant) {   // torch's GEMM: at::linear's kernel for 2-D x
     at::mm_out(y, x, w.t());
     return;
   }
-  if (fp32 && M > kMaxRowsFp32Bf16) {   // prefill: w widened once, then torch's fp32 GEMM
+  if (fp32 && M > kMaxRowsFp32Bf16 && !row_invariant) {   // prefill: w widened once, fp32 GEMM
     at::mm_out(y, x, w.to(at::kFloat).t());
     return;
   }
@@ -512,7 +527,8 @@ void linear_bf16_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
   check_2d(x, w, "w");
-  if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && x.size(0) > kMaxRows)
+  if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && x.size(0) > kMaxRows
+      && !row_invariant)
     return at::linear(x, w);
   auto y = at::empty({x.size(0), w.size(0)}, x.options());
   linear_bf16_into(x, w, y);
@@ -537,13 +553,13 @@ void linear_int8_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   check_y(y, x, M, N);
   if (M == 0) return;   // no rows (e.g. a step that samples none): nothing to compute
   const bool fp32 = x.scalar_type() == at::kFloat;
-  if (fp32 && M > kMaxRowsFp32Quant) {   // prefill: w widened and scaled once, torch's fp32 GEMM
+  if (fp32 && M > kMaxRowsFp32Quant && !row_invariant) {   // prefill: w widened and scaled, GEMM
     at::mm_out(y, x, (w.to(at::kFloat) * scale.to(at::kFloat).unsqueeze(1)).t());
     return;
   }
   // aten's kernel crashes (SIGSEGV, torch 2.13) on 2+ rows when K % 16 != 0; such shapes run
   // the loop, tiled.
-  if (!fp32 && M > kMaxRows && K % 16 == 0) {
+  if (!fp32 && M > kMaxRows && K % 16 == 0 && !row_invariant) {
     y.copy_(at::_weight_int8pack_mm(x, w, as_x_dtype(scale, x)));
     return;
   }
@@ -579,8 +595,11 @@ void int4_loop(const at::Tensor& x, const uint8_t* w, const Sc* scale, const Sc*
     prepare_int4_x(x.data_ptr<bf16>(), M, Kx, K, gs, false, xp);
     bf16* yp = y.data_ptr<bf16>();
     at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
-      if (M == 1) int4_rows_bf16<1>(xp, w, scale, minimum, yp, N, K, gs, n0, n1);
-      else int4_rows_bf16<2>(xp, w, scale, minimum, yp, N, K, gs, n0, n1);
+      for_blocks(n0, n1, [&](int64_t b0, int64_t b1) {
+        for_tiles<2>(M, [&](auto rows, int64_t m0) {
+          int4_rows_bf16<decltype(rows)::value>(xp, m0, w, scale, minimum, yp, N, K, gs, b0, b1);
+        });
+      });
     });
     return;
   }
@@ -640,15 +659,19 @@ void linear_int4_into(const at::Tensor& x, const at::Tensor& packed, const at::T
               (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "x must be a contiguous (M, K) bf16 or fp32 tensor with K <= ", K,
               " (zero-padded to it), got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(group_size > 0 && group_size % 2 == 0 && K % group_size == 0,
+              "group_size must be even and divide ", K, ", got ", group_size);
   const bool fp32 = x.scalar_type() == at::kFloat;
-  if (!fp32 && M > kMaxRows) {
+  // The loops read 128 codes at a time, one scale per chunk: groups of 32 or 64 take aten's kernel
+  // (bf16 x) or the weight dequantized to fp32 per call (fp32 x; the loops' row-invariant mode
+  // then runs the dense loop over it).
+  const bool fits_loops = group_size > 0 && group_size % kChunk == 0;
+  if (!fp32 && (M > kMaxRows || !fits_loops) && !row_invariant) {
     const at::Tensor xp = Kx == K ? x : at::constant_pad_nd(x, {0, K - Kx});
     y.copy_(at::_weight_int4pack_mm_for_cpu(
         xp, aten_packed, group_size, aten_scale_zero_for(x, scale, minimum, aten_scale_zero)));
     return;
   }
-  TORCH_CHECK(group_size > 0 && group_size % kChunk == 0 && K % group_size == 0,
-              "group_size must be a multiple of 128 dividing ", K, ", got ", group_size);
   TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kByte, "packed must be contiguous uint8");
   const int64_t G = K / group_size;
   for (const at::Tensor* t : {&scale, &minimum})
@@ -658,14 +681,23 @@ void linear_int4_into(const at::Tensor& x, const at::Tensor& packed, const at::T
                 "scale and minimum must be contiguous (", N, ", ", G, ") tensors, both bf16 or "
                 "both fp32, got ", t->sizes(), " ", t->scalar_type());
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const bool wide = fp32 && M > kMaxRowsFp32Quant;   // prefill: w widened once, torch's GEMM
+  // prefill (fp32 x above the loop's rows) or groups the loops do not take: widened, then a GEMM
+  const bool wide = !fits_loops || (fp32 && M > kMaxRowsFp32Quant && !row_invariant);
+  auto widened = [&](const at::Tensor& w32) {
+    if (row_invariant) {
+      const at::Tensor w = Kx == K ? w32 : w32.narrow(1, 0, Kx).contiguous();
+      dense_linear<float>(x, w.data_ptr<float>(), kNoScale, y);
+    } else {
+      at::mm_out(y, x, w32.narrow(1, 0, Kx).t());
+    }
+  };
   if (scale.scalar_type() == at::kFloat) {
     const float *sp = scale.data_ptr<float>(), *mp = minimum.data_ptr<float>();
-    if (wide) at::mm_out(y, x, int4_weight_fp32(wp, sp, mp, N, K, group_size).narrow(1, 0, Kx).t());
+    if (wide) widened(int4_weight_fp32(wp, sp, mp, N, K, group_size));
     else int4_loop(x, wp, sp, mp, K, group_size, y);
   } else {
     const bf16 *sp = scale.data_ptr<bf16>(), *mp = minimum.data_ptr<bf16>();
-    if (wide) at::mm_out(y, x, int4_weight_fp32(wp, sp, mp, N, K, group_size).narrow(1, 0, Kx).t());
+    if (wide) widened(int4_weight_fp32(wp, sp, mp, N, K, group_size));
     else int4_loop(x, wp, sp, mp, K, group_size, y);
   }
 }
@@ -679,7 +711,15 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::
   return y;
 }
 
+// Sets this thread's row-invariant mode and returns the previous setting.
+bool set_row_invariant(bool on) {
+  const bool previous = row_invariant;
+  row_invariant = on;
+  return previous;
+}
+
 TORCH_LIBRARY(workbench_cpu, m) {
+  m.def("set_row_invariant(bool on) -> bool", &set_row_invariant);
   m.def("linear_int4(Tensor x, Tensor packed, Tensor scale, Tensor minimum, int group_size, "
         "Tensor aten_packed, Tensor aten_scale_zero) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor w) -> Tensor");

@@ -8,7 +8,7 @@
 // sequence's K/V out of the paged cache into a padded (n, max_len) batch and then calls SDPA, so in
 // a decode step of a large batch the cache is read twice and written once, per layer, and the
 // shorter sequences pay for the padding. Measured on the offline-mixed workload (bf16, 48 decoding
-// sequences of ~230 tokens, 2-core VM): gather + SDPA took ~50 ms of a 176 ms step. This kernel
+// sequences of ~230 tokens, 2 cores): gather + SDPA takes ~50 ms of a 176 ms step. This kernel
 // reads each K/V row once, in place, as vLLM's CPU paged attention does.
 //
 // out[s, h] = softmax(scale * q[s, h] . K[s, kvh(h)]^T) V[s, kvh(h)] over the sequence's
@@ -122,7 +122,7 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, T* out, const in
 // The same computation with G and D known at compile time (fp32 caches; G <= 4 query heads per kv
 // head, D = 64 or 128): queries and output accumulators live in registers, and the loops over
 // heads and chunks unroll. Measured at 48 sequences x ~230 positions, G=3, D=64, bf16, one layer
-// (AVX-512): 0.95 ms with the general loop above, 0.68 ms with this one (2-core VM). fp32 stays
+// (AVX-512): 0.95 ms with the general loop above, 0.68 ms with this one (2 cores). fp32 stays
 // here rather than in attend_rows: an attend_rows<float> took 2363 vs 2220 us per layer call under
 // AVX512-BF16 flags, 2261 vs 2228 under AVX2 (medians of 7 rounds, one thread, `python -m
 // kernels.cpu.bench_attention fp32 --threads 1`). With 2 threads, gather + SDPA / this = 2.1x
@@ -176,9 +176,9 @@ void attend_fixed(const T* q, const T* k_cache, const T* v_cache, T* out, const 
 // Why: a loop over one (sequence, kv head) at a time reads 128 of every 384 bytes of each bf16
 // cache row (SmolLM2: 3 kv heads x 64 dims), and the hardware prefetcher does not follow that
 // stride across randomly placed blocks. Measured on the offline-mixed decode shape (37 sequences
-// of 40-450 positions, 30 layers' caches, 2-core VM, AVX512-BF16): 750 us per layer call, 9.5 GB/s
-// of KV read out of 31 GB/s copy bandwidth, but 225 us when one layer's cache sits in L3: the
-// kernel waited on memory. Here a task walks whole cache rows of its sequence (all kv heads at
+// of 40-450 positions, 30 layers' caches, 2 cores, AVX512-BF16): 750 us per layer call, 9.5 GB/s
+// of KV read out of 31 GB/s copy bandwidth, but 225 us when one layer's cache sits in L3: such a
+// loop waits on memory. Here a task walks whole cache rows of its sequence (all kv heads at
 // once), prefetches the rows of tiles ahead, and computes scores 16 positions at a time:
 // - q.k as dot products straight from the rows (bf16: AVX512-BF16's dpbf16, else a shift-widen
 //   and two FMAs; the products are exact in fp32 and summed in fp32), then one transpose-and-add
@@ -190,9 +190,10 @@ void attend_fixed(const T* q, const T* k_cache, const T* v_cache, T* out, const 
 // left is mostly the cost of the scattered blocks, not arithmetic. On the 48 x ~230 shape (2
 // threads, `python -m kernels.cpu.bench_attention bf16`): 685-747 us per layer call under
 // AVX512-BF16, gather + SDPA / this 11-12x; 908 us under AVX2 (WORKBENCH_ISA=avx2), 8.8x. The
-// AVX512-BF16 build compiles to the same inner loops as the pre-port intrinsics (32 dpbf16, 12
-// FMAs, same prefetches); pre-port / this in one process (`--against DIR`, medians of 7 pairs):
-// 0.90x, 0.96x and 0.98x with 2 threads (an A/A run: 1.03x), 1.00x and 1.05x with one.
+// portable source compiles under AVX512-BF16 to the same inner loops as hand-written intrinsics
+// (32 dpbf16, 12 FMAs, same prefetches); intrinsics / this in one process (`--against DIR`,
+// medians of 7 pairs): 0.90x, 0.96x and 0.98x with 2 threads (an A/A run: 1.03x), 1.00x and
+// 1.05x with one.
 
 // How a row type is read: kStep values per chunk; a query chunk prepared once (Q) and dotted with
 // key chunks; a value chunk widened into kVPer fp32 vectors; the accumulators put back in dim
@@ -257,9 +258,9 @@ inline void walk_tile(const T* cache, const int64_t* blocks, int64_t t0, int64_t
 
 // Value chunks accumulated per pass over a tile's rows: all of a head's under AVX-512 (32
 // registers), as many as keep kG * kVPer * chunks accumulators within 8 registers elsewhere
-// (AVX2 has 16). A budget of 12 (G=3: two chunks a pass) read 0.94x of 8 on the 48 x ~230 bf16
-// shape (median of 7 pairs, `WORKBENCH_ISA=avx2 python -m kernels.cpu.bench_attention bf16
-// --against DIR`, DIR a copy of these sources with 8).
+// (AVX2 has 16). A budget of 12 (G=3: two chunks a pass) runs at 0.94x the speed of 8 on the
+// 48 x ~230 bf16 shape (median of 7 pairs, `WORKBENCH_ISA=avx2 python -m
+// kernels.cpu.bench_attention bf16 --against DIR`, DIR a copy of these sources with 8).
 constexpr int chunks_per_pass(int chunks, int accs_per_chunk) {
   const int budget = kLanes >= 16 ? 32 : 8;
   int best = 1;

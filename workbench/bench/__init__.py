@@ -1,6 +1,6 @@
 """Benchmarks: named workloads, run side by side with their peers in one process.
 
-`python -m workbench.bench single-stream` (or `./run bench`). See the README's benchmark section.
+`python -m workbench.bench single-stream` (or `./run bench`). See docs/performance.md.
 """
 from .bandwidth import copy_bandwidth, decode_bytes_per_token
 

@@ -15,6 +15,8 @@ speed:         the speed ladder (eager, compiled, bf16, INT8, INT4, transformers
                performance targets met or not (python -m workbench.bench speed --help).
 floor:         offline-mixed's matmul floor: its FLOPs over this CPU's bf16 GEMM rate on the
                model's shapes, aten's and prepacked (python -m workbench.bench floor --help).
+table:         results/README.md from the committed results/**/*.json: every speed run with its
+               machine, versions, commit and targets, newest first (--check: exit 1 if stale).
 gpu:           (CUDA) batch-1 decode and offline-mixed, eager and with CUDA graphs, on random
                weights in SmolLM2-135M's and a 1B Llama's shapes, against transformers; the
                GPU targets met or not (python -m workbench.bench gpu --help).
@@ -54,6 +56,9 @@ def main(argv=None) -> None:
     if argv[:1] == ["speed"]:
         from . import speed
         return speed.main(argv[1:])
+    if argv[:1] == ["table"]:
+        from . import table
+        return table.main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m workbench.bench", description=__doc__)
     ap.add_argument("workload", nargs="?", default="single-stream", choices=sorted(WORKLOADS))
     ap.add_argument("--dtypes", nargs="+", default=None,

@@ -114,7 +114,12 @@ def main(argv=None) -> None:
     ap.add_argument("--prefill-rows", type=int, default=1024, help="its max_num_batched_tokens")
     ap.add_argument("--json", help="also write the results to this JSON file")
     args = ap.parse_args(argv)
+    import datetime
+    from .machine import machine_info, measured_commit
+    commit = measured_commit()
     result = run(decode_rows=args.decode_rows, prefill_rows=args.prefill_rows)
+    result["date"] = datetime.datetime.now().isoformat(timespec="seconds")
+    result["machine"] = machine_info(commit)
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -29,7 +29,7 @@ from .single_stream import engine_once
 from .speed import format_targets
 
 SHAPES = ("smollm2-135m", "llama-1b")
-TARGET_SHARE, TARGET_OFFLINE = 0.60, 10.0   # the issue's bars for the GPU
+TARGET_SHARE, TARGET_OFFLINE = 0.60, 10.0   # GPU targets: bandwidth share, x transformers
 
 
 def _engine(shape: str, device: str, graphs: bool, max_num_seqs: int) -> LLM:
@@ -95,7 +95,7 @@ def shape_results(shape: str, device: str, new_tokens: int, num_requests: int,
 
 
 def targets(r: dict) -> list[dict]:
-    """The issue's GPU bars, judged on the runs with CUDA graphs (None where none ran)."""
+    """The GPU targets, judged on the runs with CUDA graphs (None where none ran)."""
     rows = []
     for shape, s in r["shapes"].items():
         g = "engine + CUDA graphs"

@@ -12,7 +12,7 @@ write, the same convention as workbench.bench.bandwidth). SDPA on the same K/V s
 (no paging) is timed as the peer.
 
 Every row also checks the kernel's output against SDPA, so a fast wrong kernel cannot report.
-Targets (issue 4): forward >= 0.8x SDPA; paged decode >= 60% of copy bandwidth.
+Targets: forward >= 0.8x SDPA; paged decode >= 60% of copy bandwidth.
 """
 from __future__ import annotations
 

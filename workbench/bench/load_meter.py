@@ -1,6 +1,6 @@
 """How busy the machine was with *other* programs while we timed something.
 
-On a shared machine with few cores (2 here, Binder's 1-2) a busy neighbour makes every timing
+On a shared machine with few cores (2 in CI, Binder's 1-2) a busy neighbour makes every timing
 slower and noisier: with torch's threads on oversubscribed cores operators slow unevenly, 10x and
 more. The chapters time things and assert claims about the timings; they assert them only when
 the machine was quiet, and otherwise say how busy it was, so a learner knows to rerun.
@@ -9,6 +9,10 @@ the machine was quiet, and otherwise say how busy it was, so a learner knows to 
     ... timed work ...
     if meter.quiet():
         assert fast < slow, meter.note()
+
+A chapter that times in several cells calls `meter.check()` at the end of each: it prints a
+warning if others were busy, keeps that share for the next claims' quiet() and note(), and starts
+a new window.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ class LoadMeter:
     def start(self) -> "LoadMeter":
         self.t, self.cpu = time.perf_counter(), psutil.cpu_times()
         self.own = psutil.Process().cpu_times()
+        self.checked = None          # the share of the window that check() closed last
         return self
 
     def share(self) -> float:
@@ -40,10 +45,24 @@ class LoadMeter:
         others = _busy(cpu) - _busy(self.cpu) - mine
         return max(0.0, others) / max(wall * (os.cpu_count() or 1), 1e-9)
 
+    def check(self) -> float:
+        """Close the window: warn if other programs were busy, keep their share for quiet() and
+        note(), start a new window. Returns the share."""
+        share = self.share()
+        self.start()
+        self.checked = share
+        if share > NOTE_SHARE:
+            print(f"warning: other programs used {share:.0%} of the CPU during these "
+                  "measurements; the timings are slower and noisier than this machine can do")
+        return share
+
+    def _current(self) -> float:
+        return self.share() if self.checked is None else self.checked
+
     def quiet(self) -> bool:
-        return self.share() <= QUIET_SHARE
+        return self._current() <= QUIET_SHARE
 
     def note(self) -> str:
-        share = self.share()
+        share = self._current()
         return (f" (other programs used {share:.0%} of the CPU during the measurement; rerun on a "
                 "quieter machine)") if share > NOTE_SHARE else ""

@@ -280,8 +280,7 @@ def main(argv=None) -> None:
     import argparse
     import datetime
     import json
-    import os
-    import platform
+    from .machine import machine_info, measured_commit
     ap = argparse.ArgumentParser(prog="python -m workbench.bench speed", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3, help="rounds of the ladder (default 3)")
@@ -291,15 +290,11 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--json", help="also write the results to this JSON file")
     args = ap.parse_args(argv)
+
+    commit = measured_commit()   # before the run: the code measured, not what an edit left after
     result = run(args.model, args.new_tokens, args.repeats, args.num_requests, args.skip_offline)
     result["date"] = datetime.datetime.now().isoformat(timespec="seconds")
-    from kernels.cpu import best_isa, cpu_flags
-    result["machine"] = {"processor": platform.processor() or platform.machine(),
-                         "cores": os.cpu_count(), "torch": torch.__version__,
-                         "python": platform.python_version(), "kernels_isa": best_isa(),
-                         "native_bf16": cpu_has_native_bf16(),
-                         "isa_flags": sorted(f for f in cpu_flags() if f.startswith(("avx", "amx",
-                                                                                      "fma", "f16c")))}
+    result["machine"] = machine_info(commit)
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -9,12 +9,15 @@ machine). The hand-written 1-2-row loops of kernels/cpu differ from the GEMM in 
 padded attention over a group of sequences differs from one sequence alone.
 
 What this mode does, as vLLM's batch-invariant mode does with its own kernels:
-- every linear layer sees at least MIN_ROWS rows (zero rows appended, their outputs dropped), the
-  range in which the GEMM's per-row order is fixed;
+- the layers on kernels/cpu's loops (cpu_gemv) run them for every row count, with the same
+  accumulator chains for every row (gemv.cpp's row-invariant mode, switched on for each step by
+  runner.py), so a row's sums never depend on M;
+- every other linear layer sees at least MIN_ROWS rows (zero rows appended, their outputs
+  dropped), the range in which torch's GEMM keeps one per-row order;
 - attention runs each sequence on its own (attention/torch_backend.py, `per_sequence`);
-- cpu_gemv and fused_decode stay off, compile is refused (config.py).
-The cost is the padding at small batches; `python -m workbench.bench speed` measures it on
-offline-mixed.
+- fused_decode stays off and compile is refused (config.py).
+The cost is the loops where torch's GEMM is faster (long prefills) and padding at small batches
+on torch's kernels; `python -m workbench.bench speed` measures it on offline-mixed.
 """
 from __future__ import annotations
 
@@ -32,11 +35,15 @@ class InvariantRows:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         n = rows.shape[0]
-        if n >= MIN_ROWS:
+        if n >= MIN_ROWS or getattr(self, "runs_loops", _never)(x):
             return super().forward(x)
         padded = torch.cat([rows, rows.new_zeros(MIN_ROWS - n, rows.shape[1])])
         out = super().forward(padded)[:n]
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _never(x: torch.Tensor) -> bool:
+    return False
 
 
 _classes: dict[type, type] = {}

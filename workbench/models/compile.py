@@ -79,13 +79,13 @@ def _(q, k, v, layer):
 # The guards Dynamo checks before every call of the compiled forward. By default it guards
 # everything the trace read: for SmolLM2 about 5,300 checks on the model object (every module,
 # parameter, hook dict and attribute) and on the globals the forward calls, 0.8 ms per decode step
-# in bf16 and 1.2 ms in INT4 (profiled, 2-core AMD EPYC VM): 7-12% of a step. The engine never
+# in bf16 and 1.2 ms in INT4 (profiled, 2-core AMD EPYC): 7-12% of a step. The engine never
 # changes the model after building it, so those checks cannot fail; vLLM drops them for the same
 # reason. Kept: the checks that choose between compiled graphs, on the two inputs (dtype, and
 # the token count, since Dynamo compiles a 1-token graph apart from the dynamic one) and the
 # symbolic-shape conditions, plus the global state the graph was traced under (grad mode,
-# default device). Dropping also the input checks once sent a 32-token prefill into the 1-token
-# graph; kept, it recompiles instead. The price: a model edited after the engine is built (a
+# default device). Without the input checks a 32-token prefill would run the 1-token graph; with
+# them, it recompiles instead. The price: a model edited after the engine is built (a
 # layer swapped, a weight replaced by another tensor) is not re-traced. A weight of another shape
 # still fails loudly, in the size asserts the compiled code runs on its inputs. Measured: INT4
 # decode 98-102 -> 110-113 tok/s in four separate processes, alternating.
@@ -124,18 +124,18 @@ class CompiledForward:
         # guard function before every step and a runtime argument of the fused kernels. They never
         # change, so they are compiled in as constants: 1.40x and 1.10x decode tok/s at batch 1
         # (alternating rounds in one process, the two engines built in either order, compiled
-        # bf16, 2-core AMD EPYC VM).
+        # bf16, 2-core AMD EPYC).
         # freeze: Inductor's freezing. The weights become constants of the compiled code, and on
         # CPU every linear layer becomes mkldnn::_linear_pointwise over a weight prepacked once
         # into oneDNN's blocked layout. Unfrozen, aten::mm hands oneDNN the plain row-major
         # weight, which it may reorder on every call: more passes over the weights. Measured on
-        # offline-mixed (compiled bf16, 2-core AMD EPYC VM, alternating processes): 1.11x and
+        # offline-mixed (compiled bf16, 2-core AMD EPYC, alternating processes): 1.11x and
         # 1.12x tok/s, decode steps 13.0 vs 15.6 s and 14.7 vs 16.7 s; prefill unchanged. The
         # price: the packed copy is a second copy of the weights (+268 MiB RSS for SmolLM2 bf16),
         # since the layer-skip drafter's eager forward and later compilations (the one-token graph
         # is compiled at the first decode step) read the originals.
         # (Set around the call, where compilation happens: passed in torch.compile's options it
-        # did not take effect, torch 2.13.)
+        # does not take effect, torch 2.13.)
         compiled = torch.compile(types.MethodType(forward, self), dynamic=True, fullgraph=True,
                                  options={"guard_filter_fn": keep_guards})
         self._compiled = torch._dynamo.config.patch(specialize_float=True)(compiled)
@@ -165,7 +165,7 @@ class PrepackedLMHead:
     (what freezing does to every linear layer inside the compiled graph). The head runs outside
     that graph, on only the rows that are sampled, so freezing alone leaves it on aten::mm, which
     hands oneDNN the row-major weight on every call. SmolLM2's head is 49152 x 576 and ~20% of a
-    decode step's multiply-adds; measured bf16 on a 2-core AMD EPYC VM: 7.9 -> 5.8 ms at 36 rows,
+    decode step's multiply-adds; measured bf16 on a 2-core AMD EPYC: 7.9 -> 5.8 ms at 36 rows,
     4.1 -> 2.2 ms at 8, bit-identical logits (oneDNN computes both). Costs a second copy of the
     weight (56 MiB for SmolLM2 in bf16; the embedding keeps reading the original)."""
 

@@ -5,10 +5,10 @@ forward differs), for bf16 or fp32 activations:
 - each bias-free bf16 or fp32 `nn.Linear` (the projections, the LM head) to `GemvLinear`;
 - each INT8 weight-only layer (`Int8Linear`: INT8 models, and the LM head of every quantized
   model) to `Int8GemvLinear`: 26 vs 17 GB/s for aten's `_weight_int8pack_mm` on SmolLM2's head
-  at batch 1 (2-core AMD EPYC VM);
+  at batch 1 (2-core AMD EPYC; `python -m kernels.cpu.bench --formats int8,int4`);
 - each INT4 layer (`Int4Linear`, group size a multiple of 128, rows a multiple of 16) to
   `Int4GemvLinear`: 42-44 vs 59-60 us for aten's `_weight_int4pack_mm_for_cpu` on a 3072 x 576
-  layer at batch 1 (same VM; both compute-bound, ours on fewer instructions per code); with fp32
+  layer at batch 1 (same CPU; both compute-bound, ours on fewer instructions per code); with fp32
   activations on the AVX2 build, 40 us vs 98 us for the fp32 F.linear and 2.9 ms for aten's
   kernel, which takes fp32 x but runs 28-78x slower (kernels/cpu/gemv.cpp, int4_rows).
 The operators run their own loops for a few rows (1-2 for bf16 activations, more for fp32 ones)
@@ -33,9 +33,14 @@ class GemvLinear(nn.Linear):
     """An nn.Linear (no bias, bf16 or fp32 weight) whose small-batch products run the kernels'
     loops (x bf16 or fp32; an fp32 weight needs fp32 x)."""
 
+    def runs_loops(self, x: torch.Tensor) -> bool:
+        """Whether x goes to the kernel (else torch's linear)."""
+        w = self.weight
+        return x.dtype in ACTIVATIONS and not (w.dtype == torch.float32 and x.dtype != w.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if x.dtype not in ACTIVATIONS or (w.dtype == torch.float32 and x.dtype != w.dtype):
+        if not self.runs_loops(x):
             return super().forward(x)
         shape = x.shape
         op = torch.ops.workbench_cpu.linear_fp32 if w.dtype == torch.float32 \
@@ -54,6 +59,9 @@ class Int8GemvLinear(Int8Linear):
     """An Int8Linear whose products on CPU run the kernel's INT8 loop (same formula as aten's:
     fp32 sums of x * w, times the row's scale, rounded once to x's dtype)."""
 
+    def runs_loops(self, x: torch.Tensor) -> bool:
+        return _runs_kernel(self, x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _runs_kernel(self, x):
             return super().forward(x)
@@ -66,6 +74,9 @@ class Int8GemvLinear(Int8Linear):
 class Int4GemvLinear(Int4Linear):
     """An Int4Linear whose products on CPU run the kernel's INT4 loop for a few rows (aten's
     kernel, on its own layout of the same codes, above that)."""
+
+    def runs_loops(self, x: torch.Tensor) -> bool:
+        return _runs_kernel(self, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _runs_kernel(self, x):
@@ -90,7 +101,7 @@ def use_cpu_gemv(model: nn.Module) -> int:
                 and m.scale.dtype in ACTIVATIONS:
             m.__class__ = Int8GemvLinear
             switched += 1
-        elif type(m) is Int4Linear and m.group_size % 128 == 0 and m.out_features % 16 == 0 \
+        elif type(m) is Int4Linear and m.group_size % 2 == 0 and m.out_features % 16 == 0 \
                 and m.scale.dtype in ACTIVATIONS and m.packed.is_contiguous():
             m.__class__ = Int4GemvLinear
             switched += 1

@@ -15,7 +15,7 @@ Data flow of a step the engine runs with `fused_decode=True`:
       forward, eager or compiled, unchanged
     -> hidden states -> the LM head (its own GEMV layer) -> logits, as before
 
-Why a step is worth one call: after torch.compile a bf16 SmolLM2 decode step on the 2-core VM is
+Why a step is worth one call: after torch.compile a bf16 SmolLM2 decode step on a 2-core AMD EPYC is
 ~12 ms, of which the GEMV loops reading the weights take ~9; most of the other ~3 ms is calling
 (~240 kernel calls from Inductor's Python wrapper, 30 attention calls through Python, size
 asserts), not arithmetic. The C++ loop does the same arithmetic with none of that.
@@ -61,7 +61,7 @@ def layer_tensors(layer, kind: int, dtype: torch.dtype) -> list[torch.Tensor]:
 
 def fused_decode_unsupported(model) -> str | None:
     """Why this model cannot run the fused step (None if it can): its activations bf16 or fp32, its
-    projections all one of the GEMV layers (bf16, INT8 or INT4 with a group size of 128k, no
+    projections all one of the GEMV layers (bf16, INT8 or INT4 with an even group size, no
     experts) or fp32 weights with fp32 activations, and its head size one the attention kernel
     takes."""
     args = model.args
@@ -77,7 +77,7 @@ def fused_decode_unsupported(model) -> str | None:
             if kind is None:
                 what = type(mod).__name__ if mod is not None else "missing (experts?)"
                 return (f"layer {i}'s {name} is {what}, and the fused step takes {LAYER_NAMES}: "
-                        "bf16, INT8, INT4 (group size a multiple of 128) or fp32 weights, no "
+                        "bf16, INT8, INT4 or fp32 weights, no "
                         "experts")
             if kind == 3 and dtype != torch.float32:
                 return f"layer {i}'s {name} has fp32 weights and the activations are {dtype}"

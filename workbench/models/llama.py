@@ -6,7 +6,7 @@ Differences from transformers' modeling code, each for a reason:
 - Q, K, V are one fused linear (`qkv_proj`), gate and up another (`gate_up_proj`): fewer, larger
   matmuls per layer. The loader concatenates transformers' separate weights into them.
 - The KV cache and the attention backend are passed in, not owned: the engine decides how keys and
-  values are stored (contiguous now, paged later) and which kernel reads them.
+  values are stored (contiguous or paged) and which kernel reads them.
 - Every projection is a plain `nn.Linear`, so quantization and tensor parallelism can swap modules.
 - Each layer returns (output, residual) and the residual add happens inside the next RMSNorm
   (vLLM's layer signature); norms and rotary go through the backend's `ops` (models/ops.py), so the

@@ -75,7 +75,7 @@ def load_quantized(folder: Path, dtype: torch.dtype, device: torch.device,
                          f"quantized checkpoint: it was saved in {saved_dtype!r}; load it with that")
     args = read_args(folder)
     # Fresh, aligned copies: tensors read out of the file can sit at any byte offset, and torch's
-    # packed CPU kernels (aten._weight_int8pack_mm) crashed on such a weight in our tests.
+    # packed CPU kernels (aten._weight_int8pack_mm) can crash on such a weight.
     state = {k: v.clone() for k, v in load_file(str(folder / "model.safetensors"),
                                                  device=str(device)).items()}
     with torch.device("meta"):

@@ -142,8 +142,8 @@ def get_module(layer: nn.Module, path: str) -> tuple[nn.Module, str, nn.Module]:
 def single_thread():
     """One intra-op thread, restored afterwards (a context manager and a decorator).
     Calibration is mostly loops of small tensor ops, which gain nothing from threads; on a busy
-    machine each op's parallel region also waits for a descheduled thread: on the shared 2-core
-    development VM, GPTQ on one 3072 x 576 matrix took 30 s with 2 threads and 2.4 s with 1, and
+    machine each op's parallel region also waits for a descheduled thread: on a busy, shared
+    2-core machine GPTQ on one 3072 x 576 matrix takes 30 s with 2 threads and 2.4 s with 1, and
     on 3 of SmolLM2's layers 15 s against 6 s."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -47,8 +47,8 @@ def build_drafter(cfg: SpeculativeConfig, engine):
         if qcfg.method in ("int8", "int4"):
             # Round-to-nearest only reads the weights it replaces, so the copy shares every tensor
             # with the target (embedding, norms, and the projections until each is swapped for
-            # its quantized layer): no second bf16 model, even for a moment. Chapter 06 measured
-            # the full deep copy at +950 MB peak, +680 MB held, next to the target.
+            # its quantized layer): no second bf16 model, even for a moment. A full deep copy
+            # would cost +950 MB at peak and +680 MB held, next to the target.
             model = copy.deepcopy(target, memo={id(t): t for t in shared_tensors(target)})
         else:   # calibrated methods rescale weights and norms in place: the draft needs its own
             model = copy.deepcopy(target)

@@ -19,8 +19,8 @@ transformers `LlamaForCausalLM` on CPU in minutes:
 
 The folder written (fp32 safetensors, config.json with the target's special ids and rope, its
 generation config and tokenizer files) loads in `LLM(model=folder)` and in transformers. Training
-runs on the CPU under bf16 autocast (2.5x faster matmuls than fp32 with AVX-512 BF16 / AMX),
-whatever the target's device.
+runs on the CPU, whatever the target's device: under bf16 autocast where the CPU multiplies bf16
+natively (2.5x faster matmuls than fp32 with AVX-512 BF16 / AMX), in fp32 elsewhere.
 """
 from __future__ import annotations
 
@@ -188,17 +188,26 @@ def init_draft(config: dict, target_embedding: torch.Tensor, seed: int):
         # stream starts as the input token's own embedding, which the tied head then predicts
         # with a logit of ~30: an initial loss of ~24 nats, twice uniform's ln V = 10.8. Scaled
         # so that this logit is ~ln V (0.35 for the defaults), the initial loss is ~10; 200-step
-        # runs measured 24.7% held-out agreement with 0.3 against 21.5% with 1.
+        # runs reach 24.7% held-out agreement with 0.3 against 21.5% with 1.
         draft.model.norm.weight.fill_(math.log(emb.shape[0]) / (
             emb.shape[1] ** 0.5 * emb.norm(dim=1).mean().item()))
     draft.tie_weights()
     return draft.train()
 
 
+@functools.lru_cache(maxsize=None)
+def compute_dtype() -> torch.dtype:
+    """bf16 where this CPU multiplies it natively, else fp32: torch emulates bf16 matmuls several
+    times slower than fp32 on CPUs without it (config.cpu_has_native_bf16)."""
+    from ..config import cpu_has_native_bf16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
 def _hidden(draft, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
     """Final hidden states (B * gen_len, hidden), fp32, at the positions that predict generated
     tokens; the last token is not fed (nothing after it is predicted)."""
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    dt = compute_dtype()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dt == torch.bfloat16):
         h = draft.model(input_ids=ids[:, :-1]).last_hidden_state[:, prompt_len - 1:]
     return h.reshape(-1, h.shape[-1]).float()
 
@@ -217,11 +226,11 @@ class SoftTargetHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, target_idx, target_w):
-        n, vocab = h.shape[0], weight.shape[0]
-        hb, wb = h.detach().bfloat16(), weight.detach().bfloat16()
+        n, vocab, dt = h.shape[0], weight.shape[0], compute_dtype()
+        hb, wb = h.detach().to(dt), weight.detach().to(dt)
         grad_h, grad_w = torch.empty_like(h), torch.zeros_like(weight)
         total = torch.zeros((), dtype=torch.float64)
-        chunk = max(1, 2 ** 27 // vocab)            # <= 256 MiB of bf16 logits at a time
+        chunk = max(1, 2 ** 28 // (vocab * dt.itemsize))   # <= 256 MiB of logits at a time
         for s in range(0, n, chunk):
             z = hb[s:s + chunk] @ wb.T
             ti, tw = target_idx[s:s + chunk], target_w[s:s + chunk]
@@ -232,7 +241,7 @@ class SoftTargetHead(torch.autograd.Function):
             total += (lse - (tw * z.gather(-1, ti).float()).sum(-1)).sum().double()
             del z
             flat = (ti + vocab * torch.arange(len(ti))[:, None]).flatten()
-            g.view(-1).index_put_((flat,), -tw.flatten().bfloat16(), accumulate=True)
+            g.view(-1).index_put_((flat,), -tw.flatten().to(dt), accumulate=True)
             grad_h[s:s + chunk] = g @ wb
             if ctx.needs_input_grad[1]:
                 grad_w += g.T @ hb[s:s + chunk]
@@ -248,11 +257,11 @@ class SoftTargetHead(torch.autograd.Function):
 @torch.no_grad()
 def agreement(draft, seqs: torch.Tensor, prompt_len: int, batch_size: int = 16) -> float:
     """Teacher-forced top-1 agreement of the draft with the target's greedy tokens."""
-    was_training, weight, hits = draft.training, draft.lm_head.weight.bfloat16(), 0
+    was_training, weight, hits = draft.training, draft.lm_head.weight.to(compute_dtype()), 0
     draft.eval()
     for b in range(0, len(seqs), batch_size):
         ids = seqs[b:b + batch_size]
-        pred = (_hidden(draft, ids, prompt_len).bfloat16() @ weight.T).argmax(-1)
+        pred = (_hidden(draft, ids, prompt_len).to(weight.dtype) @ weight.T).argmax(-1)
         hits += int((pred == ids[:, prompt_len:].reshape(-1)).sum())
     draft.train(was_training)
     return hits / seqs[:, prompt_len:].numel()

@@ -13,11 +13,8 @@ Three kinds of helpers live here, all free of the engine:
 """
 from __future__ import annotations
 
-import glob
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import plotly.graph_objects as go
 import torch
@@ -187,25 +184,6 @@ def merge_partials(outs: torch.Tensor, lse: torch.Tensor):
 
 
 # -------------------------------------------------------------------------- GPU result files
-def find_gpu_results(start: Path | str | None = None, pattern: str = "results/gpu/kernels-*.json",
-                     extra_roots: Sequence[Path | str] = ()) -> list[dict]:
-    """Committed GPU kernel benchmarks (JSON), found from `start` (default: the working directory)
-    and its parents, and from `extra_roots`; each dict gains a "file" key. Sorted by date."""
-    roots = [Path(start or Path.cwd()).resolve()]
-    roots += list(roots[0].parents)[:3] + [Path(r) for r in extra_roots]
-    seen, found = set(), []
-    for root in roots:
-        for name in sorted(glob.glob(str(root / pattern))):
-            path = Path(name).resolve()
-            if path in seen:
-                continue
-            seen.add(path)
-            data = json.loads(path.read_text(encoding="utf-8"))
-            data["file"] = path.name
-            found.append(data)
-    return sorted(found, key=lambda d: str(d.get("date", "")))
-
-
 # ------------------------------------------------------------------------------- figures
 def bytes_moved_figure(seq_lens: Sequence[int], head_dim: int, elem_bytes: int, block_m: int,
                        block_n: int, causal: bool, peak_flops: float, bandwidth: float,
@@ -456,6 +434,6 @@ def ceil_div(a: int, b: int) -> int:
 
 __all__ = ["attention_flops", "naive_attention_bytes", "flash_attention_bytes", "kernel_bounds",
            "tile_map", "skipped_fraction", "intensity", "SoftmaxStep", "online_softmax_steps",
-           "split_partials", "merge_partials", "find_gpu_results", "bytes_moved_figure",
+           "split_partials", "merge_partials", "bytes_moved_figure",
            "cpu_timing_figure", "online_softmax_figure", "tile_map_figure",
            "split_weights_figure", "published_figure", "ceil_div", "SKIP", "MASKED", "FULL"]
