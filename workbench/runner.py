@@ -145,15 +145,13 @@ class ModelRunner:
         if step.ops:
             self.cache.apply(step.ops)
         input_ids, positions, meta = packed or self.pack(step.rows, step.tables)
-        if not self.row_invariant:
-            hidden = self.forward_fn(input_ids, positions, self.cache.kv_caches, meta, self.backend)
-            return self.logits(hidden, step)
-        previous = torch.ops.workbench_cpu.set_row_invariant(True)
+        previous = torch.ops.workbench_cpu.set_row_invariant(True) if self.row_invariant else None
         try:
             hidden = self.forward_fn(input_ids, positions, self.cache.kv_caches, meta, self.backend)
             return self.logits(hidden, step)
         finally:
-            torch.ops.workbench_cpu.set_row_invariant(previous)
+            if previous is not None:
+                torch.ops.workbench_cpu.set_row_invariant(previous)
 
     def logits(self, hidden: torch.Tensor, step: StepInputs) -> ForwardOutput:
         wanted, end, sample = set(step.logit_rows), 0, []
