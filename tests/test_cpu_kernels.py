@@ -135,22 +135,27 @@ def int4_layer(n, k, group, dtype, g):
     return Int4Linear(quantize_int4(torch.randn(n, k, generator=g) * 0.05, group), dtype)
 
 
-def int4_exact_and_bound(layer, x, group):
-    """The exact product with the layer's weight (q * scale + minimum, fp64) and its bound."""
+def int4_exact_and_bound(layer, x, group, loops):
+    """The exact product with the layer's weight (q * scale + minimum, fp64) and its bound: fp32
+    sums, plus where the loops ran, x rounded to 16 bits per chunk of 128 columns."""
     n = layer.packed.shape[0]
     codes = layer.as_weight().codes().double().view(n, -1, group)
     scale = layer.scale.double()[..., None]
     w = (codes * scale + layer.minimum.double()[..., None]).view(n, -1)
     xd = x.double()
-    if group % 128:               # smaller groups: the weight widened to fp32, x not rounded
+    if not loops:                 # the weight widened to fp32 (or aten's kernel): x not rounded
         return xd @ w.t(), fp32_sum_bound(x, w)
-    chunk_max = xd.abs().view(x.shape[0], -1, 128).amax(-1, keepdim=True).expand(-1, -1, 128)
-    x_rounding = chunk_max.reshape(x.shape) / 65534 @ (codes * scale).view(n, -1).abs().t()
+    rows, k = x.shape
+    kp = -(-k // 128) * 128       # small groups leave a partial last chunk
+    chunk_max = F.pad(xd.abs(), (0, kp - k)).view(rows, -1, 128).amax(-1, keepdim=True)
+    chunk_max = chunk_max.expand(-1, -1, 128).reshape(rows, kp)[:, :k]
+    x_rounding = chunk_max / 65534 @ (codes * scale).view(n, -1).abs().t()
     return xd @ w.t(), fp32_sum_bound(x, w) + x_rounding
 
 
 INT4_SHAPES = [(960, 576, 128), (576, 1536, 128), (48, 130, 128), (64, 1024, 256),
-               (960, 576, 32), (64, 1024, 64)]   # groups of 32 and 64: widened or aten's kernel
+               (960, 576, 32), (64, 1024, 64), (32, 200, 8)]   # groups below 128: lane scales
+MAX_ROWS_FP32_INT4 = 64           # fp32 x: the loops up to this many rows, a GEMM above
 
 
 @needs_kernels
@@ -175,8 +180,10 @@ def test_int4_weights_give_the_exact_product(x_dtype, w_dtype, rows, n, k, group
     out_unpadded = torch.ops.workbench_cpu.linear_int4(unpadded, layer.packed, layer.scale,
                                                        layer.minimum, group, aten_packed,
                                                        aten_scale_zero)
-    exact, bound = int4_exact_and_bound(layer, x, group)
-    if x_dtype == torch.bfloat16 and (rows > MAX_ROWS or group % 128):
+    aten_runs = x_dtype == torch.bfloat16 and rows > MAX_ROWS and group in (32, 64, 128, 256)
+    loops = rows <= (MAX_ROWS if x_dtype == torch.bfloat16 else MAX_ROWS_FP32_INT4)
+    exact, bound = int4_exact_and_bound(layer, x, group, loops)
+    if aten_runs:
         aten = torch.ops.aten._weight_int4pack_mm_for_cpu(x, aten_packed, group, aten_scale_zero)
         assert torch.equal(out, aten) and torch.equal(out_unpadded, aten)
     else:

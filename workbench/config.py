@@ -111,7 +111,7 @@ class EngineConfig:
     # another order than the steps that carry a prefill, stays off (models/batch_invariant.py).
     batch_invariant: bool = False
     # Hand-written matmuls for steps of few rows (kernels/cpu; 1-2 rows in bf16, up to 16-64 in
-    # fp32): bf16 and fp32 layers, and INT8 / INT4 (group size 128) quantized ones. None (the
+    # fp32): bf16 and fp32 layers, and INT8 / INT4 quantized ones. None (the
     # default): on where they can run (CPU, one process, not freeze_weights);
     # True: insist; False: torch's kernels.
     cpu_gemv: bool | None = None

@@ -36,6 +36,7 @@
 #include <torch/library.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -252,8 +253,17 @@ void bf16_bf16_linear(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
 //   y = sum_g [scale_g D_g + minimum_g S_g],  D_g = sum_{k in g} x_k q_k,  S_g = sum_{k in g} x_k.
 // Codes are read 128 at a time (64 bytes): 16-bit word j of a chunk holds codes 4j .. 4j+3 in its
 // four nibbles, and nibble t of every word makes one vector; x is reordered once per call to match
-// (x' [32 t + j] = x[4 j + t] within each chunk). Requires group_size % 128 == 0.
+// (x' [32 t + j] = x[4 j + t] within each chunk). Groups of 128k take one scale per chunk
+// (int4_rows); groups of 8 to 64 codes (GGUF's Q4 blocks are 32) one scale per lane of the
+// chunk's product (int4_rows_small), whose 16 32-bit lanes each sum 8 consecutive codes.
 constexpr int64_t kChunk = 128;
+constexpr int kChunkLanes = 16;        // 32-bit lanes of one chunk's integer product
+constexpr int kCodesPerLane = kChunk / kChunkLanes;
+static_assert(kChunkLanes % kLanes == 0, "a chunk's lanes fill whole vectors");
+constexpr int kLaneVecs = kChunkLanes / kLanes;
+
+inline int64_t round_up(int64_t k, int64_t to) { return (k + to - 1) / to * to; }
+inline bool small_int4_group(int64_t gs) { return gs >= kCodesPerLane && kChunk % gs == 0 && gs < kChunk; }
 
 // x of one call prepared for the INT4 loops: reordered per chunk; `q` holds it as int16 with one
 // scale per row and chunk (`xs`), `S` the exact fp32 group sums.
@@ -266,11 +276,12 @@ struct Int4X {
 };
 
 // x (M, Kx) with Kx <= K: the columns from Kx to K (the weight's padding to whole groups) read 0.
+// Rows of q are Kp = K rounded up to whole chunks apart (small groups leave a partial last chunk).
 template <class X>
 void prepare_int4_x(const X* x, int64_t M, int64_t Kx, int64_t K, int64_t gs, bool as_int16,
                     Int4X& out) {
-  const int64_t C = K / kChunk, G = K / gs;
-  if (as_int16) { out.q.resize(M * K); out.xs.resize(M * C); }
+  const int64_t Kp = round_up(K, kChunk), C = Kp / kChunk, G = K / gs;
+  if (as_int16) { out.q.resize(M * Kp); out.xs.resize(M * C); }
 #if defined(WB_ISA_AVX512BF16)
   if (!as_int16) out.r.resize(M * K);
 #endif
@@ -287,11 +298,15 @@ void prepare_int4_x(const X* x, int64_t M, int64_t Kx, int64_t K, int64_t gs, bo
           amax = std::max(amax, std::fabs(f));
           sum += f;
         }
-      out.S[m * G + c * kChunk / gs] += sum;
+      if (gs >= kChunk) {
+        out.S[m * G + c * kChunk / gs] += sum;
+      } else {                        // one sum per group inside the chunk (valid columns only)
+        for (int64_t k = 0; k < valid; k++) out.S[m * G + (c * kChunk + k) / gs] += static_cast<float>(xc[k]);
+      }
       if (as_int16) {
         const float inv = amax > 0.f ? 32767.f / amax : 0.f;
         out.xs[m * C + c] = amax / 32767.f;
-        int16_t* q = out.q.data() + m * K + c * kChunk;
+        int16_t* q = out.q.data() + m * Kp + c * kChunk;
         for (int i = 0; i < kChunk; i++) {   // to nearest, in a loop the compiler vectorizes
           const float r = v[i] * inv;        // (std::nearbyint, a libm call: 3 us a call at K=576)
           q[i] = static_cast<int16_t>(r + (r >= 0.f ? 0.5f : -0.5f));
@@ -349,21 +364,60 @@ inline void int4_chunk(const uint8_t* w, const int16_t* xq, int64_t K, Vec* d) {
   for (int m = 0; m < M; m++) d[m] = Vec(_mm256_cvtepi32_ps(s[m][1]));
 }
 #else
-// Portable: the same integer sums in plain loops (lane j % kLanes of d gets word j's codes).
+// Portable: the same integer sums in plain loops (lane j / 2 gets word j's codes, as vpmaddwd).
 template <int M>
-inline void int4_chunk(const uint8_t* w, const int16_t* xq, int64_t K, Vec* d) {
-  int32_t s[M][kLanes] = {};
+inline void int4_chunk_lanes(const uint8_t* w, const int16_t* xq, int64_t K, Vec (*d)[kLaneVecs]) {
+  int32_t s[M][kChunkLanes] = {};
   for (int j = 0; j < 32; j++) {
     const uint32_t word = w[2 * j] | (static_cast<uint32_t>(w[2 * j + 1]) << 8);
     for (int t = 0; t < 4; t++) {
       const int32_t q = (word >> (4 * t)) & 0xF;
-      for (int m = 0; m < M; m++) s[m][j % kLanes] += q * xq[m * K + 32 * t + j];
+      for (int m = 0; m < M; m++) s[m][j / 2] += q * xq[m * K + 32 * t + j];
     }
   }
   for (int m = 0; m < M; m++) {
-    float f[kLanes];
-    for (int i = 0; i < kLanes; i++) f[i] = static_cast<float>(s[m][i]);
-    d[m] = Vec::loadu(f);
+    float f[kChunkLanes];
+    for (int i = 0; i < kChunkLanes; i++) f[i] = static_cast<float>(s[m][i]);
+    for (int v = 0; v < kLaneVecs; v++) d[m][v] = Vec::loadu(f + v * kLanes);
+  }
+}
+
+template <int M>
+inline void int4_chunk(const uint8_t* w, const int16_t* xq, int64_t K, Vec* d) {
+  Vec lanes[M][kLaneVecs];
+  int4_chunk_lanes<M>(w, xq, K, lanes);
+  for (int m = 0; m < M; m++) {
+    d[m] = lanes[m][0];
+    for (int v = 1; v < kLaneVecs; v++) d[m] = d[m] + lanes[m][v];
+  }
+}
+#endif
+
+#if defined(WB_ISA_AVX512)
+// One vector of 16 lanes, lane i the sum over codes 8i .. 8i + 7: int4_chunk's result as it is.
+template <int M>
+inline void int4_chunk_lanes(const uint8_t* w, const int16_t* xq, int64_t K, Vec (*d)[kLaneVecs]) {
+  Vec s[M];
+  int4_chunk<M>(w, xq, K, s);
+  for (int m = 0; m < M; m++) d[m][0] = s[m];
+}
+#elif defined(WB_ISA_AVX2)
+// Two vectors of 8 lanes (codes 0-63, then 64-127), lane i the sum over 8 consecutive codes.
+template <int M>
+inline void int4_chunk_lanes(const uint8_t* w, const int16_t* xq, int64_t K, Vec (*d)[kLaneVecs]) {
+  const __m256i low4 = _mm256_set1_epi16(0x0F);
+  for (int h = 0; h < 2; h++) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * h));
+    const __m256i v[4] = {_mm256_and_si256(b, low4), _mm256_and_si256(_mm256_srli_epi16(b, 4), low4),
+                          _mm256_and_si256(_mm256_srli_epi16(b, 8), low4), _mm256_srli_epi16(b, 12)};
+    for (int m = 0; m < M; m++) {
+      const int16_t* xm = xq + m * K + 16 * h;
+      __m256i p[4];
+      for (int t = 0; t < 4; t++)
+        p[t] = _mm256_madd_epi16(v[t], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + 32 * t)));
+      d[m][h] = Vec(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(p[0], p[1]),
+                                                        _mm256_add_epi32(p[2], p[3]))));
+    }
   }
 }
 #endif
@@ -396,6 +450,124 @@ void int4_rows(const Int4X& xp, int64_t m0, const uint8_t* w, const Sc* scale, c
       for (int m = 0; m < M; m++) cst[m] += mn * S[m * G + g];
     }
     for (int m = 0; m < M; m++) finish(m, n, wb::hsum(acc[m]) + cst[m]);
+  }
+}
+
+// The scale of every lane of one chunk's product (lane i sums codes 8i .. 8i + 7) for groups of
+// gs codes: `groups` scales from s, lanes of missing groups (a partial last chunk) scaled by 0.
+class LaneScales {
+ public:
+  explicit LaneScales(int64_t gs)
+      : per_chunk_(static_cast<int>(kChunk / gs)), lanes_(static_cast<int>(gs / kCodesPerLane)) {
+#if defined(WB_ISA_AVX2)
+    for (int h = 0; h < 2; h++) {     // half h, lane l: group (8h + l) / lanes
+      alignas(32) int32_t i[8];
+      for (int l = 0; l < 8; l++) i[l] = std::min((8 * h + l) / lanes_, 7);
+      idx_[h] = _mm256_load_si256(reinterpret_cast<const __m256i*>(i));
+    }
+#endif
+  }
+  int per_chunk() const { return per_chunk_; }
+
+  // A full chunk's lane scales (all per_chunk() groups present).
+  template <class Sc>
+  void full(const Sc* s, Vec* out) const {
+#if defined(WB_ISA_AVX2)
+    if (per_chunk_ <= 8) {            // the chunk's scales in one register, spread by a permute
+      const __m256 v = load_scales(s);  // (from registers: stores then a wide load would stall)
+      out[0] = Vec(_mm256_permutevar8x32_ps(v, idx_[0]));
+      out[1] = Vec(_mm256_permutevar8x32_ps(v, idx_[1]));
+      return;
+    }
+#endif
+    partial(s, per_chunk_, out);
+  }
+
+  // The first `groups` groups of a chunk present, the lanes of the others scaled by 0.
+  template <class Sc>
+  void partial(const Sc* s, int groups, Vec* out) const {
+    float ls[kChunkLanes];
+    for (int g = 0; g < per_chunk_; g++) {
+      const float sc = g < groups ? static_cast<float>(s[g]) : 0.f;
+      for (int i = 0; i < lanes_; i++) ls[g * lanes_ + i] = sc;
+    }
+    for (int v = 0; v < kLaneVecs; v++) out[v] = Vec::loadu(ls + v * kLanes);
+  }
+
+ private:
+#if defined(WB_ISA_AVX2)
+  // per_chunk_ (2, 4 or 8) scales in the low lanes, read without going past them.
+  __m256 load_scales(const float* s) const {
+    if (per_chunk_ == 8) return _mm256_loadu_ps(s);
+    const __m128 v = per_chunk_ == 4 ? _mm_loadu_ps(s)
+                                     : _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(s)));
+    return _mm256_castps128_ps256(v);
+  }
+  __m256 load_scales(const bf16* s) const {
+    const __m128i h = per_chunk_ == 8 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(s))
+                      : per_chunk_ == 4 ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s))
+                                        : _mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(s));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+#endif
+  int per_chunk_, lanes_;
+#if defined(WB_ISA_AVX2)
+  __m256i idx_[2];
+#endif
+};
+
+// int4_rows for groups smaller than a chunk (small_int4_group): each lane of a chunk's product
+// is scaled by its own group's scale. A partial last chunk (K % 128 codes) reads on into the next
+// row, and in the tensor's last row (`last`) from a zero-padded copy. Same integer sums as
+// int4_rows, so the same rounding of x.
+template <int M, class Sc, class Finish>
+void int4_rows_small(const Int4X& xp, int64_t m0, const uint8_t* w, const Sc* scale,
+                     const Sc* minimum, int64_t K, int64_t gs, int64_t n0, int64_t n1, int64_t last,
+                     const Finish& finish) {
+  const int64_t Kp = round_up(K, kChunk), C = Kp / kChunk, G = K / gs;
+  const int64_t full = K / kChunk;    // chunks with all 128 codes
+  const LaneScales lane_scales(gs);
+  const int per_chunk = lane_scales.per_chunk();
+  const int tail_groups = static_cast<int>((K - full * kChunk) / gs);
+  const int16_t* xq = xp.q.data() + m0 * Kp;
+  const float* xs = xp.xs.data() + m0 * C;
+  const float* S = xp.S.data() + m0 * G;
+  alignas(64) uint8_t tail[kChunk / 2] = {};
+  for (int64_t n = n0; n < n1; n++) {
+    const uint8_t* wn = w + n * (K / 2);
+    const Sc* sn = scale + n * G;
+    Vec acc[M];
+    for (int m = 0; m < M; m++) acc[m] = Vec(0.f);
+    for (int64_t c = 0; c < C; c++) {
+      const uint8_t* wc = wn + c * kChunk / 2;
+      Vec sv[kLaneVecs];
+      if (c < full || n < last) {      // past the row lie the next row's codes and scales: x is 0
+        lane_scales.full(sn + c * per_chunk, sv);   // there, so its lanes sum to exactly 0
+      } else {                         // never read past the tensor: the codes beyond K read 0
+        std::memcpy(tail, wc, (K - full * kChunk) / 2);
+        std::memset(tail + (K - full * kChunk) / 2, 0, (kChunk - (K - full * kChunk)) / 2);
+        wc = tail;
+        lane_scales.partial(sn + c * per_chunk, tail_groups, sv);
+      }
+      Vec d[M][kLaneVecs];
+      int4_chunk_lanes<M>(wc, xq + c * kChunk, Kp, d);
+      for (int m = 0; m < M; m++) {
+        const Vec x_scale(xs[m * C + c]);
+        for (int v = 0; v < kLaneVecs; v++) acc[m] = at::vec::fmadd(d[m][v], sv[v] * x_scale, acc[m]);
+      }
+    }
+    // + sum_g minimum_g S_g, a vector at a time into the same accumulator (G is up to K / 8)
+    const Sc* mn = minimum + n * G;
+    const int64_t body = G - G % kLanes;
+    for (int64_t g = 0; g < body; g += kLanes) {
+      const Vec vm = load_w(mn + g);
+      for (int m = 0; m < M; m++) acc[m] = at::vec::fmadd(vm, Vec::loadu(S + m * G + g), acc[m]);
+    }
+    for (int m = 0; m < M; m++) {
+      float cst = 0.f;
+      for (int64_t g = body; g < G; g++) cst += static_cast<float>(mn[g]) * S[m * G + g];
+      finish(m, n, wb::hsum(acc[m]) + cst);
+    }
   }
 }
 
@@ -590,8 +762,9 @@ void int4_loop(const at::Tensor& x, const uint8_t* w, const Sc* scale, const Sc*
                int64_t K, int64_t gs, at::Tensor& y) {
   const int64_t M = x.size(0), Kx = x.size(1), N = y.size(1);
   Int4X xp;
+  const bool small = gs < kChunk;
 #if defined(WB_ISA_AVX512BF16)
-  if (x.scalar_type() == at::kBFloat16) {    // products of bf16 x with 128 + q are exact
+  if (x.scalar_type() == at::kBFloat16 && !small) {   // products of bf16 x with 128 + q are exact
     prepare_int4_x(x.data_ptr<bf16>(), M, Kx, K, gs, false, xp);
     bf16* yp = y.data_ptr<bf16>();
     at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
@@ -613,7 +786,8 @@ void int4_loop(const at::Tensor& x, const uint8_t* w, const Sc* scale, const Sc*
         for_tiles<kTileInt4>(M, [&](auto rows, int64_t m0) {
           Y* yt = yp + m0 * N;
           auto finish = [&](int m, int64_t n, float sum) { yt[m * N + n] = static_cast<Y>(sum); };
-          int4_rows<decltype(rows)::value>(xp, m0, w, scale, minimum, K, gs, b0, b1, finish);
+          if (small) int4_rows_small<decltype(rows)::value>(xp, m0, w, scale, minimum, K, gs, b0, b1, N - 1, finish);
+          else int4_rows<decltype(rows)::value>(xp, m0, w, scale, minimum, K, gs, b0, b1, finish);
         });
       });
     });
@@ -662,11 +836,16 @@ void linear_int4_into(const at::Tensor& x, const at::Tensor& packed, const at::T
   TORCH_CHECK(group_size > 0 && group_size % 2 == 0 && K % group_size == 0,
               "group_size must be even and divide ", K, ", got ", group_size);
   const bool fp32 = x.scalar_type() == at::kFloat;
-  // The loops read 128 codes at a time, one scale per chunk: groups of 32 or 64 take aten's kernel
-  // (bf16 x) or the weight dequantized to fp32 per call (fp32 x; the loops' row-invariant mode
-  // then runs the dense loop over it).
-  const bool fits_loops = group_size > 0 && group_size % kChunk == 0;
-  if (!fp32 && (M > kMaxRows || !fits_loops) && !row_invariant) {
+  // The loops take groups of 128k and groups of 8 to 64, up to their row limits; above them bf16
+  // x takes aten's kernel where aten takes the group size. The rest widens the weight to fp32.
+  const bool fits_loops = group_size % kChunk == 0 || small_int4_group(group_size);
+  const bool aten_group = group_size == 32 || group_size == 64 || group_size == 128 || group_size == 256;
+#if defined(WB_ISA_AVX512BF16)
+  const bool small_to_aten = group_size % kChunk != 0;   // aten's kernel is native bf16 here
+#else
+  const bool small_to_aten = false;
+#endif
+  if (!fp32 && (M > kMaxRows || !fits_loops || small_to_aten) && aten_group && !row_invariant) {
     const at::Tensor xp = Kx == K ? x : at::constant_pad_nd(x, {0, K - Kx});
     y.copy_(at::_weight_int4pack_mm_for_cpu(
         xp, aten_packed, group_size, aten_scale_zero_for(x, scale, minimum, aten_scale_zero)));
@@ -682,13 +861,15 @@ void linear_int4_into(const at::Tensor& x, const at::Tensor& packed, const at::T
                 "both fp32, got ", t->sizes(), " ", t->scalar_type());
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   // prefill (fp32 x above the loop's rows) or groups the loops do not take: widened, then a GEMM
-  const bool wide = !fits_loops || (fp32 && M > kMaxRowsFp32Quant && !row_invariant);
+  const bool wide = !fits_loops || (M > (fp32 ? kMaxRowsFp32Quant : kMaxRows) && !row_invariant);
   auto widened = [&](const at::Tensor& w32) {
     if (row_invariant) {
       const at::Tensor w = Kx == K ? w32 : w32.narrow(1, 0, Kx).contiguous();
       dense_linear<float>(x, w.data_ptr<float>(), kNoScale, y);
-    } else {
+    } else if (fp32) {
       at::mm_out(y, x, w32.narrow(1, 0, Kx).t());
+    } else {
+      y.copy_(at::mm(x.to(at::kFloat), w32.narrow(1, 0, Kx).t()));
     }
   };
   if (scale.scalar_type() == at::kFloat) {

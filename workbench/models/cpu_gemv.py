@@ -6,7 +6,7 @@ forward differs), for bf16 or fp32 activations:
 - each INT8 weight-only layer (`Int8Linear`: INT8 models, and the LM head of every quantized
   model) to `Int8GemvLinear`: 26 vs 17 GB/s for aten's `_weight_int8pack_mm` on SmolLM2's head
   at batch 1 (2-core AMD EPYC; `python -m kernels.cpu.bench --formats int8,int4`);
-- each INT4 layer (`Int4Linear`, group size a multiple of 128, rows a multiple of 16) to
+- each INT4 layer (`Int4Linear`, an even group size, rows a multiple of 16) to
   `Int4GemvLinear`: 42-44 vs 59-60 us for aten's `_weight_int4pack_mm_for_cpu` on a 3072 x 576
   layer at batch 1 (same CPU; both compute-bound, ours on fewer instructions per code); with fp32
   activations on the AVX2 build, 40 us vs 98 us for the fp32 F.linear and 2.9 ms for aten's

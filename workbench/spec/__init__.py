@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import copy
 
+import torch
+
 from .config import METHODS, SpeculativeConfig
 from .model_drafter import ModelDrafter
 from .proposer import Draft, NgramProposer
@@ -73,6 +75,7 @@ def build_drafter(cfg: SpeculativeConfig, engine):
                              f"{args.max_position_embeddings} positions, fewer than "
                              f"max_model_len={config.max_model_len}")
         model = load_model(folder, engine.dtype, engine.device, config.max_model_len)
+    _kernels_of_the_target(model, engine)
     cache = PagedKVCache(args, config.num_kv_blocks, config.block_size, engine.dtype,
                          engine.device, config.num_cpu_blocks, kv_cache_dtype=config.kv_cache_dtype)
     return ModelDrafter(model, cache.kv_caches, cache, **common)
@@ -81,3 +84,19 @@ def build_drafter(cfg: SpeculativeConfig, engine):
 def shared_tensors(model) -> list:
     """Every parameter and buffer of `model`, for a deep copy that shares them instead."""
     return [*model.parameters(), *model.buffers()]
+
+
+def _kernels_of_the_target(model, engine) -> None:
+    """The draft runs on the target's kernels: the CPU loops (its quantized layers too, which
+    otherwise take torch's packed kernels, 28-78x slower with fp32 activations) and the
+    batch-invariant layers. Both switches skip layers already switched (those shared with the
+    target)."""
+    config = engine.config
+    if config.use_cpu_gemv:
+        from ..models.cpu_gemv import store_weights_bf16, use_cpu_gemv
+        use_cpu_gemv(model)
+        if config.weight_dtype == torch.bfloat16 and engine.dtype == torch.float32:
+            store_weights_bf16(model)
+    if config.batch_invariant:
+        from ..models.batch_invariant import make_batch_invariant
+        make_batch_invariant(model)
