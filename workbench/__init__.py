@@ -14,7 +14,7 @@ _os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput",
            "CompletionOutput", "Logprob", "StreamChunk"]
-_WHERE = {"EngineConfig": "config", "LLMEngine": "engine", "LLM": "llm",
+_WHERE = {"EngineConfig": "config", "LLMEngine": "engine.llm_engine", "LLM": "llm",
           "CompletionOutput": "outputs", "Logprob": "outputs", "RequestOutput": "outputs",
           "StreamChunk": "outputs", "SamplingParams": "sampling_params"}
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence as Seq
 
 from .config import EngineConfig
-from .engine import LLMEngine
+from .engine.llm_engine import LLMEngine
 from .outputs import RequestOutput, StreamChunk
-from .output_processor import OutputProcessor
+from .engine.output_processor import OutputProcessor
 from .sampling_params import SamplingParams
 
 

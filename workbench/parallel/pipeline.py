@@ -68,3 +68,9 @@ class Stage:
             self.comm.send(residual, self.next_rank)
             return None
         return backend.ops.rms_norm(x, model.norm.weight, model.norm.eps, residual)[0]
+
+
+def gpipe_schedule(num_stages: int, num_microbatches: int) -> list[tuple[int, int, int]]:
+    """(stage, micro-batch, time slot) of a forward-only GPipe schedule with equal stage times:
+    micro-batch m runs on stage s in slot s + m."""
+    return [(s, m, s + m) for s in range(num_stages) for m in range(num_microbatches)]

@@ -93,7 +93,7 @@ def build_shard(spec: WorkerSpec, rank: int, device: torch.device, store=None):
     from ..kv.paged_cache import PagedKVCache
     from ..memory import release_memory
     from ..models.loader import load_model, read_args
-    from ..runner import ModelRunner
+    from ..engine.runner import ModelRunner
     from .layout import Layout
     from .moe import ExpertParallelMoE, MoEMLP
     from .pipeline import Stage, stage_layers

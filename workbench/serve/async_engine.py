@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..llm import LLM
-from ..output_processor import OutputProcessor
+from ..engine.output_processor import OutputProcessor
 from ..outputs import Logprob, RequestOutput
 from ..sampling_params import SamplingParams
 

@@ -29,7 +29,7 @@ import torch
 
 from ..kv.paged_cache import PagedKVCache
 from ..models.llama import LlamaModel
-from ..runner import pack
+from ..engine.runner import pack
 from .proposer import Draft
 from .rejection import processed_probs
 

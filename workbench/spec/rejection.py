@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampler import apply_top_k_top_p
+from ..engine.sampler import apply_top_k_top_p
 from ..sampling_params import SamplingParams
 
 
