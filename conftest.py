@@ -15,7 +15,7 @@ from workbench.memory import PeakMemory
 
 BUDGET_MIB = float(os.environ.get("WORKBENCH_MEMORY_BUDGET_MIB", "2048"))
 ENFORCED = ("WORKBENCH_MEMORY_BUDGET_MIB" in os.environ
-            and os.environ.get("WORKBENCH_SMOKE", "0") == "1")   # full sizes are for real machines
+            and os.environ.get("WORKBENCH_SMOKE") in ("1", "true"))   # full sizes are for real machines
 _samplers: dict[str, PeakMemory] = {}
 _peaks: dict[str, float] = {}
 

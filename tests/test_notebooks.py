@@ -60,7 +60,7 @@ def test_committed_without_outputs(path):
             f"{path.name}: code cell {i} has an execution count; clear outputs before committing")
 
 
-SMOKE_LINE = re.compile(r'^SMOKE = os\.environ\.get\("WORKBENCH_SMOKE", "0"\) == "1"', re.M)
+SMOKE_LINE = re.compile(r'^SMOKE = os\.environ\.get\("WORKBENCH_SMOKE"\) in \("1", "true"\)', re.M)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
@@ -81,6 +81,18 @@ def test_first_code_cell_is_parameters(path):
     # one way to read WORKBENCH_SMOKE in every chapter (./run test and Binder set it to 1)
     assert SMOKE_LINE.search(source(first)), (
         f"{path.name}: the parameters cell must set SMOKE as: {SMOKE_LINE.pattern}")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_papermill_reads_every_parameter(path, caplog):
+    # papermill skips (with a warning) any line holding a second "=", so the report's injected
+    # SMOKE and DEVICE would count as unknown parameters
+    from papermill.translators import PythonTranslator
+    first = code_cells(load(path))[0]
+    with caplog.at_level("WARNING", logger="papermill"):
+        names = {p.name for p in PythonTranslator.inspect(first)}
+    assert {"DEVICE", "SMOKE"} <= names, f"{path.name}: papermill finds only {sorted(names)}"
+    assert not caplog.records, f"{path.name}: {[r.getMessage() for r in caplog.records]}"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)

@@ -1,7 +1,8 @@
 """Quantized formats and layers against their references.
 
 - formats: round trips within half a step, nibble packing, ragged last groups;
-- the fast CPU paths (torch's packed INT8/INT4 kernels, torch._int_mm) against dequantize + F.linear;
+- the fast CPU paths (torch's packed INT8/INT4 kernels) against dequantize + F.linear, and W8A8's
+  integer product (fp32 on CPU, on the kernels/cpu loops too) against torch._int_mm's;
 - the Triton dequantize-and-multiply kernel (interpreter on CPU, native on CUDA) against the same.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import KERNEL_DEVICES
+from kernels.cpu import available as cpu_kernels_available
 from kernels.quant_matmul import int4_weight_matmul, int8_weight_matmul
 from workbench.quant.formats import (pack_int4, pad_to_groups, quantize_int4, quantize_int8,
                                      unpack_int4)
@@ -95,11 +97,30 @@ def test_w8a8_integer_path_equals_its_reference():
     w = torch.randn(64, 128) / 8
     x = torch.randn(5, 128).to(torch.bfloat16)
     layer = W8A8Linear(quantize_int8(w), torch.bfloat16)
-    fast = layer(x)
-    layer.impl = "reference"
-    assert torch.equal(fast, layer(x))   # the same integers, exact either way
     xq, xs = quantize_activations_int8(x)
     assert ((xq.float() * xs - x.float()).abs() <= xs / 2 * 1.0001).all()
+    # the integer truth: torch._int_mm's int32 sums, scaled as the layer scales them
+    truth = (torch._int_mm(xq, layer.qweight_t).float() * xs
+             * layer.scale[None, :]).to(x.dtype)
+    assert torch.equal(layer(x), truth)
+    layer.impl = "reference"
+    assert torch.equal(layer(x), truth)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 65, 300])
+def test_w8a8_on_the_cpu_kernels_equals_the_integer_product(rows):
+    ok, why = cpu_kernels_available()
+    if not ok:
+        pytest.skip(why)
+    from workbench.models.cpu_gemv import W8A8GemvLinear, use_cpu_gemv
+    torch.manual_seed(rows)
+    model = torch.nn.Sequential(W8A8Linear(quantize_int8(torch.randn(96, 1536) / 8), torch.float32))
+    x = torch.randn(rows, 1536) * 3
+    before = model(x)
+    assert use_cpu_gemv(model) == 1 and type(model[0]) is W8A8GemvLinear
+    assert model[0].qweight_t.t().is_contiguous()       # the kernel's (N, K) rows
+    assert torch.equal(model(x), before)                 # every sum is an exact integer here
+    assert torch.equal(model(x[:1]), before[:1])         # and a row's output ignores the others
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)

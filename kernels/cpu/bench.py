@@ -1,4 +1,4 @@
-"""python -m kernels.cpu.bench [--rows 1,2] [--x fp32,bf16] [--formats bf16,fp32,int8,int4]
+"""python -m kernels.cpu.bench [--rows 1,2] [--x fp32,bf16] [--formats bf16,fp32,int8,int4,w8a8]
 [--shapes q/o,...] [--pairs 7] [--threads N] [--vs torch|widened]: the operators of gemv.cpp
 against torch on SmolLM2-135M's shapes, in alternating pairs (the order flips every pair), on the
 build this process loads (WORKBENCH_ISA; ATEN_CPU_CAPABILITY sets torch's own kernels). Prints the
@@ -6,7 +6,9 @@ median time of each and theirs/ours.
 
 --vs torch (default): torch's equivalent. fp32 x: F.linear with the weight already in fp32
 (bf16, fp32 weights), aten's _weight_int8pack_mm and _weight_int4pack_mm_for_cpu with fp32 x;
-bf16 x: F.linear in bf16 and the same aten kernels with bf16 x.
+bf16 x: F.linear in bf16 and the same aten kernels with bf16 x. w8a8 (fp32 x only): SmoothQuant's
+integer product, INT8 activations held as fp32 integers through the INT8 loop with unit scales
+(ours, exact), against torch._int_mm on the int8 activations.
 --vs widened (fp32 x): what gemv.cpp runs above its fp32 row limits, the weight widened to fp32
 for every call and torch.mm; raise the kMaxRowsFp32* limits in gemv.cpp to time the loops there.
 """
@@ -56,6 +58,11 @@ def cases(fmt: str, x: torch.Tensor, n: int, k: int, widened: bool = False):
         theirs = (lambda: torch.mm(x, wt.float().t())) if widened else \
             (lambda: torch.nn.functional.linear(x, ref))
         return wt.numel() * wt.element_size(), lambda: ops.linear_bf16(x, wt), theirs
+    if fmt == "w8a8":
+        q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        xq = torch.randint(-127, 128, x.shape, generator=g, dtype=torch.int8)
+        xf, ones = xq.float(), torch.ones(n)
+        return q.numel(), lambda: ops.linear_int8(xf, q, ones), lambda: torch._int_mm(xq, q.t())
     if fmt == "int8":
         q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
         s = (torch.rand(n, generator=g) * 0.01).to(x.dtype)
@@ -92,7 +99,7 @@ def main() -> None:
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     for xname in args.x.split(","):
         for fmt in args.formats.split(","):
-            if fmt == "fp32" and xname == "bf16":
+            if fmt in ("fp32", "w8a8") and xname == "bf16":
                 continue
             for rows in map(int, args.rows.split(",")):
                 for name in args.shapes.split(","):

@@ -6,6 +6,8 @@ forward differs), for bf16 or fp32 activations:
 - each INT8 weight-only layer (`Int8Linear`: INT8 models, and the LM head of every quantized
   model) to `Int8GemvLinear`: 26 vs 17 GB/s for aten's `_weight_int8pack_mm` on SmolLM2's head
   at batch 1 (2-core AMD EPYC; `python -m kernels.cpu.bench --formats int8,int4`);
+- each SmoothQuant layer (`W8A8Linear`) to `W8A8GemvLinear`: the INT8 activations go through the
+  INT8 weight kernel as exact fp32 integers, 12-21x faster than torch._int_mm (2-core AVX2 EPYC);
 - each INT4 layer (`Int4Linear`, an even group size, rows a multiple of 16) to
   `Int4GemvLinear`: 42-44 vs 59-60 us for aten's `_weight_int4pack_mm_for_cpu` on a 3072 x 576
   layer at batch 1 (same CPU; both compute-bound, ours on fewer instructions per code); with fp32
@@ -23,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..quant.linear import Int4Linear, Int8Linear
+from ..quant.linear import Int4Linear, Int8Linear, W8A8Linear, quantize_activations_int8
 
 
 ACTIVATIONS = (torch.bfloat16, torch.float32)
@@ -89,6 +91,22 @@ class Int4GemvLinear(Int4Linear):
         return out.view(*shape[:-1], self.out_features)
 
 
+class W8A8GemvLinear(W8A8Linear):
+    """A W8A8Linear whose products on CPU run the INT8 weight loop (few rows) or its widened GEMM
+    (more) on the quantized activations held as fp32 integers, with unit scales: every product is
+    exact and so is each sum below 2^24, so the sums equal torch._int_mm's int32 ones, whatever
+    the number of rows (python -m kernels.cpu.bench --formats w8a8 --x fp32 --rows 1,256)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.impl != "fast" or x.device.type != "cpu":
+            return super().forward(x)
+        shape = x.shape
+        xq, xs = quantize_activations_int8(x.reshape(-1, self.in_features))
+        acc = torch.ops.workbench_cpu.linear_int8(xq.float(), self.qweight_t.t(), self._ones)
+        out = (acc * xs * self.scale[None, :]).to(x.dtype)
+        return out.view(*shape[:-1], self.out_features)
+
+
 def use_cpu_gemv(model: nn.Module) -> int:
     """Switch every eligible layer of `model`; returns how many were switched."""
     switched = 0
@@ -104,6 +122,12 @@ def use_cpu_gemv(model: nn.Module) -> int:
         elif type(m) is Int4Linear and m.group_size % 2 == 0 and m.out_features % 16 == 0 \
                 and m.scale.dtype in ACTIVATIONS and m.packed.is_contiguous():
             m.__class__ = Int4GemvLinear
+            switched += 1
+        elif type(m) is W8A8Linear:
+            # the kernel reads (N, K) rows; qweight_t (the state dict's name) becomes their view
+            m.qweight_t = m.qweight_t.t().contiguous().t()
+            m._ones = torch.ones(m.out_features)
+            m.__class__ = W8A8GemvLinear
             switched += 1
     return switched
 

@@ -39,7 +39,7 @@ import torch
 
 from ..models.llama import LlamaModel
 from .formats import INT4_MAX, Int4Weight, int4_codes, pack_int4, pad_to_groups, quantize_int4
-from .gptq import LayerwiseRunner, get_module, single_thread
+from .gptq import LayerwiseRunner, get_module
 from .linear import Int4Linear
 from .smoothquant import LayerWeights, fold_scales, gqa_shared
 
@@ -185,7 +185,6 @@ def awq_layer(layer, inputs: dict[str, torch.Tensor], args, group_size: int, n_g
 
 
 @torch.no_grad()
-@single_thread()
 def quantize_awq(model: LlamaModel, cfg, calibration: list[list[int]]) -> None:
     """Replace every decoder projection of `model` by an Int4Linear fitted by AWQ on the
     calibration windows (see the module docstring). Options (QuantConfig): awq_grid, awq_clip,

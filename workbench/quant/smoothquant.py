@@ -41,7 +41,6 @@ from ..models.llama import LlamaArgs, LlamaModel
 from .apply import projections
 from .formats import quantize_int8
 from .forward import prefill_hidden
-from .gptq import single_thread
 from .linear import W8A8Linear
 
 TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -173,7 +172,6 @@ def smoothing_scales(act_max: torch.Tensor, weight_max: torch.Tensor, alpha: flo
 
 # ----------------------------------------------------------------------------- the model
 @torch.no_grad()
-@single_thread()
 def quantize_smoothquant(model: LlamaModel, cfg, calibration: list[list[int]]) -> None:
     """Smooth the decoder projections of `model` by the calibration windows' activation maxima,
     then replace each by a W8A8Linear (see the module docstring)."""
