@@ -90,7 +90,7 @@ def test_papermill_reads_every_parameter(path, caplog):
     from papermill.translators import PythonTranslator
     first = code_cells(load(path))[0]
     with caplog.at_level("WARNING", logger="papermill"):
-        names = {p.name for p in PythonTranslator.inspect(first)}
+        names = {p.name for p in PythonTranslator.inspect({"source": source(first)})}
     assert {"DEVICE", "SMOKE"} <= names, f"{path.name}: papermill finds only {sorted(names)}"
     assert not caplog.records, f"{path.name}: {[r.getMessage() for r in caplog.records]}"
 
