@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..quant.linear import Int4Linear, Int8Linear, W8A8Linear, quantize_activations_int8
+from ..quant.linear import Int4Linear, Int8Linear, W8A8Linear
 
 
 ACTIVATIONS = (torch.bfloat16, torch.float32)
@@ -97,14 +97,10 @@ class W8A8GemvLinear(W8A8Linear):
     exact and so is each sum below 2^24, so the sums equal torch._int_mm's int32 ones, whatever
     the number of rows (python -m kernels.cpu.bench --formats w8a8 --x fp32 --rows 1,256)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.impl != "fast" or x.device.type != "cpu":
-            return super().forward(x)
-        shape = x.shape
-        xq, xs = quantize_activations_int8(x.reshape(-1, self.in_features))
-        acc = torch.ops.workbench_cpu.linear_int8(xq.float(), self.qweight_t.t(), self._ones)
-        out = (acc * xs * self.scale[None, :]).to(x.dtype)
-        return out.view(*shape[:-1], self.out_features)
+    def integer_products(self, xq: torch.Tensor) -> torch.Tensor:
+        if self.impl != "fast" or xq.device.type != "cpu":
+            return super().integer_products(xq)
+        return torch.ops.workbench_cpu.linear_int8(xq.float(), self.qweight_t.t(), self._ones)
 
 
 def use_cpu_gemv(model: nn.Module) -> int:

@@ -138,16 +138,18 @@ class W8A8Linear(QuantLinear):
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return (self.qweight_t.t().float() * self.scale[:, None]).to(dtype)
 
+    def integer_products(self, xq: torch.Tensor) -> torch.Tensor:
+        """xq @ w_q^T as fp32 (int8 x int8 products, int32 sums)."""
+        # CPU: the integers multiplied in fp32, exact below 2^24 and 12-21x faster than
+        # torch._int_mm there (python -m kernels.cpu.bench --formats w8a8 --x fp32 --rows 1,256)
+        if self.impl == "fast" and xq.is_cuda and xq.shape[0] > 16:
+            return torch._int_mm(xq, self.qweight_t).float()
+        return xq.float() @ self.qweight_t.float()   # the reference: exact below 2^24
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         xq, xs = quantize_activations_int8(x.reshape(-1, self.in_features))
-        # CPU: the integers multiplied in fp32, exact below 2^24 and 12-21x faster than
-        # torch._int_mm there (python -m kernels.cpu.bench --formats w8a8 --x fp32 --rows 1,256)
-        if self.impl == "fast" and x.is_cuda and xq.shape[0] > 16:
-            acc = torch._int_mm(xq, self.qweight_t).float()
-        else:   # the reference: the same integers, multiplied in fp32 (exact below 2^24)
-            acc = xq.float() @ self.qweight_t.float()
-        out = (acc * xs * self.scale[None, :]).to(x.dtype)
+        out = (self.integer_products(xq) * xs * self.scale[None, :]).to(x.dtype)
         return out.view(*shape[:-1], self.out_features)
 
 
