@@ -115,8 +115,8 @@ class EngineConfig:
     # default): on where they can run (CPU, one process, not freeze_weights);
     # True: insist; False: torch's kernels.
     cpu_gemv: bool | None = None
-    # A decode-only step as one C++ call, every layer inside (models/fused_decode.py): bf16 or fp32
-    # activations over bf16, fp32, INT8 or INT4 weights, with the GEMV kernels (cpu_gemv) and
+    # A decode step or a speculative verification as one C++ call, every layer inside
+    # (models/fused_decode.py): bf16 or fp32 activations over bf16, fp32, INT8 or INT4 weights, with the GEMV kernels (cpu_gemv) and
     # attention_backend="cpu"; other steps as before.
     # None (the default): on where all of that holds; True: insist; False: off.
     fused_decode: bool | None = None

@@ -38,6 +38,8 @@ class AttentionMetadata:
     block_size: int = 0
     kv_cache_dtype: str = "auto"  # "fp8"/"int8": cache rows are codes + scale (quant/kv.py)
     plan: object = None  # what the backend precomputes once per step (index tensors, masks)
+    # every new token gets logits (decode, or a verification's k + 1): no prompt is being read
+    decode_like: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -113,7 +113,7 @@ class ModelRunner:
             self.forward_fn = CompiledForward(model, freeze=freeze_weights)
             if freeze_weights and PrepackedLMHead.applies(model):   # the head runs outside
                 self.compute_logits = PrepackedLMHead(model.lm_head.weight)
-        if fused_decode:                 # decode-only steps in one C++ call, the rest as above
+        if fused_decode:                 # decode and verification steps in one C++ call, the rest as above
             from ..models.fused_decode import FusedDecodeForward
             self.forward_fn = FusedDecodeForward(model, self.forward_fn)
         if cuda_graphs is not None:      # decode steps replayed from CUDA graphs (models/cuda_graphs.py)
@@ -145,6 +145,7 @@ class ModelRunner:
         if step.ops:
             self.cache.apply(step.ops)
         input_ids, positions, meta = packed or self.pack(step.rows, step.tables)
+        meta.decode_like = len(step.logit_rows) == len(input_ids)
         previous = torch.ops.workbench_cpu.set_row_invariant(True) if self.row_invariant else None
         try:
             hidden = self.forward_fn(input_ids, positions, self.cache.kv_caches, meta, self.backend)

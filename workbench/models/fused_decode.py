@@ -4,21 +4,26 @@ ladder, after torch.compile.
 Data flow of a step the engine runs with `fused_decode=True`:
 
     runner.execute -> FusedDecodeForward(input_ids, positions, kv_caches, meta, backend)
-      decode-only step (every sequence feeds one token), paged cache in the model's dtype (bf16 or
-      fp32), C++ attention backend:
+      decode-like step (every sequence feeds 1 to MAX_QUERY_LEN tokens that all get logits: a
+      decode step, or the k + 1 tokens of a speculative verification), paged cache in the model's
+      dtype (bf16 or fp32), C++ attention backend:
         embedding lookup (one torch op)
         -> torch.ops.workbench_cpu.decode_step: for each layer, in C++,
            add + RMSNorm -> QKV GEMV -> rotary -> write K/V + paged attention -> O GEMV
            -> add + RMSNorm -> gate/up GEMV -> SiLU x up -> down GEMV;   then the final norm
            (the GEMVs are the layers' own: bf16, INT8, INT4 or fp32 weights, gemv.cpp)
-      anything else (prefills, chunked or speculative steps, the layer-skip drafter): the inner
-      forward, eager or compiled, unchanged
+      anything else (prefills, long chunks, the layer-skip drafter): the inner forward, eager or
+      compiled, unchanged
     -> hidden states -> the LM head (its own GEMV layer) -> logits, as before
 
 Why a step is worth one call: after torch.compile a bf16 SmolLM2 decode step on a 2-core AMD EPYC is
 ~12 ms, of which the GEMV loops reading the weights take ~9; most of the other ~3 ms is calling
 (~240 kernel calls from Inductor's Python wrapper, 30 attention calls through Python, size
 asserts), not arithmetic. The C++ loop does the same arithmetic with none of that.
+
+A verification's tokens run as rows of their own: token i of a sequence gets the sequence's block
+table and a context of its position + 1. The step writes every row's K/V before any row attends,
+so each token sees exactly its prefix, the causal attention of a prefill, with no mask.
 
 The module holds only references to the model's own parameters, rotary tables and (INT4) the
 layout of the codes that aten's kernel reads, which the layers cache anyway: no copies, no memory;
@@ -33,6 +38,9 @@ from ..attention.metadata import AttentionMetadata
 
 
 # weight_kind of decode_step.cpp: 0 bf16, 1 INT8, 2 INT4, 3 fp32 weights.
+# Longest query per sequence a fused step takes: speculative verifications (k + 1 tokens) fit;
+# prefills do not (one row per token re-reads the context once per token, a prefill's GEMM does not).
+MAX_QUERY_LEN = 16
 WEIGHT_KINDS = {"GemvLinear": 0, "Int8GemvLinear": 1, "Int4GemvLinear": 2}
 LAYER_NAMES = "GemvLinear (bf16 or fp32), Int8GemvLinear, Int4GemvLinear or an fp32 nn.Linear"
 
@@ -90,7 +98,7 @@ def fused_decode_unsupported(model) -> str | None:
 
 
 class FusedDecodeForward:
-    """A drop-in for the runner's forward: decode-only steps go to the C++ step, the rest to
+    """A drop-in for the runner's forward: decode-like steps go to the C++ step, the rest to
     `inner` (the model itself, or its CompiledForward)."""
 
     def __init__(self, model, inner):
@@ -119,10 +127,13 @@ class FusedDecodeForward:
 
     @staticmethod
     def takes(meta: AttentionMetadata, backend) -> bool:
-        """Whether a step runs fused: every sequence decodes one token, over the paged cache in the
-        model's dtype, with the C++ attention backend."""
-        return (meta.max_query_len == 1 and meta.block_tables is not None
-                and meta.kv_cache_dtype == "auto" and getattr(backend, "decode_kernel", False))
+        """Whether a step runs fused: every sequence feeds one token, or up to MAX_QUERY_LEN that
+        all get logits (a verification: no prompt tokens), over the paged cache in the model's
+        dtype, with the C++ attention backend."""
+        short = meta.max_query_len == 1 or (meta.decode_like
+                                            and meta.max_query_len <= MAX_QUERY_LEN)
+        return (short and meta.block_tables is not None and meta.kv_cache_dtype == "auto"
+                and getattr(backend, "decode_kernel", False))
 
     def _split(self, kv_caches):
         if self._caches[0] is not kv_caches:     # the list is the engine's, built once
@@ -135,8 +146,13 @@ class FusedDecodeForward:
         m = self.model
         k_caches, v_caches = self._split(kv_caches)
         x = F.embedding(input_ids, m.embed_tokens.weight)
+        block_tables, seq_lens = meta.block_tables, meta.seq_lens
+        if meta.max_query_len > 1:       # one row per token, its context up to its own position
+            counts = torch.tensor(meta.query_lens, device=block_tables.device)
+            block_tables = block_tables.repeat_interleave(counts, dim=0)
+            seq_lens = (positions + 1).contiguous()
         return torch.ops.workbench_cpu.decode_step(
             x, positions, self.in_norms, self.post_norms, self.qkv, self.o, self.gate_up,
             self.down, m.norm.weight, m.rotary.cos, m.rotary.sin, k_caches, v_caches,
-            meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.block_size, self.eps,
+            meta.slot_mapping, block_tables, seq_lens, meta.block_size, self.eps,
             self.scale, self.num_heads, self.num_kv_heads, self.weight_kind, self.group_size)

@@ -78,7 +78,12 @@ def build_drafter(cfg: SpeculativeConfig, engine):
     _kernels_of_the_target(model, engine)
     cache = PagedKVCache(args, config.num_kv_blocks, config.block_size, engine.dtype,
                          engine.device, config.num_cpu_blocks, kv_cache_dtype=config.kv_cache_dtype)
-    return ModelDrafter(model, cache.kv_caches, cache, **common)
+    drafter = ModelDrafter(model, cache.kv_caches, cache, **common)
+    if config.use_fused_decode:   # the draft's one-token rounds in one C++ call, as the target's
+        from ..models.fused_decode import FusedDecodeForward, fused_decode_unsupported
+        if fused_decode_unsupported(model) is None:
+            drafter.forward = FusedDecodeForward(model, model)
+    return drafter
 
 
 def shared_tensors(model) -> list:

@@ -30,6 +30,7 @@ import torch
 from ..kv.paged_cache import PagedKVCache
 from ..models.llama import LlamaModel
 from ..engine.runner import pack
+from ..models.fused_decode import MAX_QUERY_LEN
 from .proposer import Draft
 from .rejection import processed_probs
 
@@ -44,6 +45,7 @@ class ModelDrafter:
         self.block_size, self.backend, self.device = block_size, backend, device
         self.kv_cache_dtype, self.generator = kv_cache_dtype, generator
         self.num_layers = num_layers
+        self.forward = model     # or a FusedDecodeForward over it (build_drafter)
         self.computed: dict[str, int] = {}
         self.preemptions: dict[str, int] = {}
 
@@ -72,8 +74,11 @@ class ModelDrafter:
         while live:
             ids, positions, meta = pack([rows[i] for i in live], [tables[i] for i in live],
                                         self.block_size, self.device, self.kv_cache_dtype)
-            hidden = self.model(ids, positions, self.kv_caches, meta, self.backend,
-                                num_layers=self.num_layers)
+            # a catch-up of a few tokens after the draft's cached context, not a prompt
+            meta.decode_like = all(rows[i][1] > 0 and len(rows[i][0]) <= MAX_QUERY_LEN
+                                   for i in live)
+            hidden = self.forward(ids, positions, self.kv_caches, meta, self.backend,
+                                  num_layers=self.num_layers)
             logits = self.model.compute_logits(hidden[meta.query_start_loc[1:] - 1])
             for r, i in enumerate(live):
                 seq = seqs[i]
