@@ -36,6 +36,16 @@ def op_calls(llm, prompts, params) -> tuple[int, list]:
     return calls, outs
 
 
+def same_tokens_as(fused, other, prompts, params) -> tuple[int, list]:
+    """Generate with `fused` (counting operator calls) and with `other`; assert equal greedy
+    tokens. Returns the call count and `fused`'s step records of this generation."""
+    start = len(fused.trace)
+    calls, outs = op_calls(fused, prompts, params)
+    expected = other.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+    return calls, fused.trace[start:]
+
+
 @needs_kernels
 @pytest.mark.parametrize("preset, quantization", [("tiny", None), ("tiny-mha", None),
                                                   ("tiny", "int8"), ("tiny-mha", "int4")])
@@ -48,11 +58,7 @@ def test_fused_steps_give_the_unfused_tokens(preset, quantization):
                            quantization=quantization)
     prompts = [[5, 6, 7, 8, 9], list(range(100, 140)), [11, 12], list(range(300, 323))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    start = len(fused.trace)
-    calls, outs = op_calls(fused, prompts, params)
-    expected = plain.generate(prompts, params)
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
-    steps = fused.trace[start:]
+    calls, steps = same_tokens_as(fused, plain, prompts, params)
     assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps)   # mixed steps ran
     assert calls == sum(s.num_prefill_tokens == 0 for s in steps) >= 8
 
@@ -89,11 +95,7 @@ def test_verifications_and_drafts_run_fused_with_the_plain_tokens(tiny_folder, m
     spec_llm, plain = LLM(speculative_config=spec, **common), LLM(**common)
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9]]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    start = len(spec_llm.trace)
-    calls, outs = op_calls(spec_llm, prompts, params)
-    expected = plain.generate(prompts, params)
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
-    steps = spec_llm.trace[start:]
+    calls, steps = same_tokens_as(spec_llm, plain, prompts, params)
     assert max(s.num_draft_tokens for s in steps) >= 2          # verifications of 3+ tokens ran
     without_prompt = sum(s.num_prefill_tokens == 0 for s in steps)
     if method == "ngram":
@@ -232,11 +234,7 @@ def test_speculative_decoding_runs_fused_and_unfused_steps_alike(tiny_folder):
     fused, plain = engines(tiny_folder, max_model_len=128, speculative_config=spec)
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [11, 12, 13, 14]]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    start = len(fused.trace)
-    calls, outs = op_calls(fused, prompts, params)
-    assert ([o.outputs[0].token_ids for o in outs]
-            == [o.outputs[0].token_ids for o in plain.generate(prompts, params)])
-    steps = fused.trace[start:]
+    calls, steps = same_tokens_as(fused, plain, prompts, params)
     verifying = [s for s in steps if s.spec]
     assert verifying and len(verifying) < calls == sum(s.num_prefill_tokens == 0 for s in steps)
 
