@@ -22,7 +22,7 @@ from workbench.config import EngineConfig
 OK, WHY = available()
 needs_kernels = pytest.mark.skipif(not OK, reason=f"CPU kernels unavailable: {WHY}")
 SHAPES = [(960, 576), (577, 1536), (13, 40), (4, 33), (7, 130)]   # real layers, odd N, K tails
-ROWS = [1, 2, 3, 8, 64, 80]                      # 80: above the fp32 loops
+ROWS = [1, 2, 3, 8, 13, 64, 80, 400]  # 13: tiles of 5 + 4 + 4; 80, 400: above the fp32 loops
 X_DTYPES = [torch.bfloat16, torch.float32]
 U = 2.0 ** -24                                                    # fp32 unit roundoff
 

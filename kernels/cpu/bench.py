@@ -11,6 +11,8 @@ integer product, INT8 activations held as fp32 integers through the INT8 loop wi
 (ours, exact), against torch._int_mm on the int8 activations.
 --vs widened (fp32 x): what gemv.cpp runs above its fp32 row limits, the weight widened to fp32
 for every call and torch.mm; raise the kMaxRowsFp32* limits in gemv.cpp to time the loops there.
+--vs ref --against DIR: the same operator built from DIR's kernels/cpu sources (another
+checkout's, e.g. from `git archive`), an A/B of two versions of the loops in one process.
 """
 from __future__ import annotations
 
@@ -47,9 +49,10 @@ def alternating_pairs(ours, theirs, pairs: int) -> tuple[float, float]:
     return statistics.median(a), statistics.median(b)
 
 
-def cases(fmt: str, x: torch.Tensor, n: int, k: int, widened: bool = False):
-    """(weight bytes, ours, theirs) for one format and shape."""
-    ops, aten = torch.ops.workbench_cpu, torch.ops.aten
+def cases(fmt: str, x: torch.Tensor, n: int, k: int, widened: bool = False, ops=None):
+    """(weight bytes, ours, theirs) for one format and shape; ours runs `ops` (default: this
+    build's operators). The weights depend only on the shape."""
+    ops, aten = ops or torch.ops.workbench_cpu, torch.ops.aten
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g) * 0.05
     if fmt in ("bf16", "fp32"):
@@ -88,8 +91,13 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--pairs", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--vs", choices=["torch", "widened"], default="torch")
+    ap.add_argument("--vs", choices=["torch", "widened", "ref"], default="torch")
+    ap.add_argument("--against", help="with --vs ref: a kernels/cpu folder to build and time")
     args = ap.parse_args()
+    if args.vs == "ref":
+        from .bench_attention import load_reference
+        assert args.against, "--vs ref needs --against DIR"
+        load_reference(args.against)
     if args.threads:
         torch.set_num_threads(args.threads)
     ok, why = available()
@@ -106,6 +114,8 @@ def main() -> None:
                     n, k = SHAPES[name]
                     x = torch.randn(rows, k).to(dtypes[xname])
                     nbytes, ours, theirs = cases(fmt, x, n, k, args.vs == "widened")
+                    if args.vs == "ref":
+                        theirs = cases(fmt, x, n, k, ops=torch.ops.workbench_cpu_ref)[1]
                     a, b = alternating_pairs(ours, theirs, args.pairs)
                     print(f"x {xname} w {fmt:4} M={rows:<2} {name:8} {n:5}x{k:<4}  ours "
                           f"{a * 1e6:8.1f} us ({nbytes / a / 1e9:5.1f} GB/s)  {args.vs} "

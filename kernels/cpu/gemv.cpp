@@ -55,19 +55,25 @@ constexpr int64_t kBlock = 64;         // weight rows per block, read by every t
 // fp32 x: the loops run up to these many rows; above, the weight widened to fp32 once and torch's
 // GEMM. (aten's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu take fp32 x in torch 2.13 but
 // ran 14-90x slower than these loops at every M from 1 to 64, so fp32 x never goes to them.)
-// Loop vs widen-and-GEMM per call, 1 thread, SmolLM2's layers and LM head (python -m
-// kernels.cpu.bench --x fp32 --vs widened --rows 16,64 --threads 1): AVX2 at M=64, bf16 w 0.89-1.06x
-// on the layers and 2.5x on the LM head, int8 1.0-1.2x (4.2x), int4 1.2-1.7x (5.6x); fp32 w at
-// M=16 1.04-1.16x (1.8x), at M=64 0.90-1.09x (0.90x). AVX-512 at M=64: bf16 and fp32 w 1.2-1.8x,
-// int8 1.6-2.6x, int4 1.5-3.6x, LM head 1.7-10.6x.
-constexpr int64_t kMaxRowsFp32Bf16 = 64;
+// Widen-and-GEMM / loop per call, SmolLM2's layers (LM head), 2 threads, 2-core AMD EPYC, AVX2
+// (python -m kernels.cpu.bench --x fp32 --vs widened --rows 64,256,512, with these limits raised):
+// bf16 w 1.5-1.8x (3.1x) at M=64, 1.04-1.22x (1.55x) at 256, 0.92-1.09x (1.28x) at 512; fp32 w
+// 1.01-1.21x (2.0x) at M=32, 0.82-0.94x (1.44x) at 64. AVX-512 at M=64 (tiles of 4 rows then):
+// bf16 and fp32 w 1.2-1.8x, int8 1.6-2.6x, int4 1.5-3.6x, LM head 1.7-10.6x.
+constexpr int64_t kMaxRowsFp32Bf16 = 384;
 #if defined(WB_ISA_AVX512)
 constexpr int64_t kMaxRowsFp32Fp32 = 64;
 #else
-constexpr int64_t kMaxRowsFp32Fp32 = 16;
+constexpr int64_t kMaxRowsFp32Fp32 = 32;
 #endif
 constexpr int64_t kMaxRowsFp32Quant = 64;
-constexpr int64_t kTileDense = 4;      // rows of x per pass over a block (bf16/fp32/int8 loops)
+// Rows of x per pass over a block (bf16/fp32/int8 loops): 6 rows x 2 chains = 12 accumulators, of
+// AVX2's 16 registers, while the tile's fp32 rows fit in kTileBytes of L1 (else 4 rows). Tiles of
+// 6 against 4 (python -m kernels.cpu.bench --x fp32 --formats bf16 --rows 6,16,64 --vs ref
+// --against DIR, DIR holding tiles of 4; 2 AVX2 cores): 1.09-1.32x on SmolLM2's K=576 shapes,
+// 0.93-0.97x on its K=1536 one (36 KB of x per tile), hence the limit.
+constexpr int64_t kTileDense = 6;
+constexpr int64_t kTileBytes = 24 * 1024;
 constexpr int64_t kTileInt4 = 2;       // rows of x per pass over a block (INT4 loop)
 
 // Row-invariant mode (LLM(batch_invariant=True), set per thread by set_row_invariant): every row
@@ -78,17 +84,24 @@ thread_local bool row_invariant = false;
 template <int R>
 using Rows = std::integral_constant<int, R>;
 
-// Calls fn(Rows<r>{}, m0) for each tile [m0, m0 + r) of M rows, r <= Tile (Tile <= 4).
+// Calls fn(Rows<r>{}, m0) for r == R, else tries R - 1, ... down to 1.
+template <int R, class Fn>
+void with_rows(int64_t r, int64_t m0, const Fn& fn) {
+  if constexpr (R > 1) {
+    if (r != R) return with_rows<R - 1>(r, m0, fn);
+  }
+  fn(Rows<R>{}, m0);
+}
+
+// Calls fn(Rows<r>{}, m0) for each tile [m0, m0 + r) of M rows: as few tiles as r <= Tile allows,
+// their sizes differing by at most one (8 rows in tiles of 6: 4 + 4, not 6 + 2).
 template <int Tile, class Fn>
 void for_tiles(int64_t M, const Fn& fn) {
-  for (int64_t m0 = 0; m0 < M; m0 += Tile) {
-    const int64_t r = std::min<int64_t>(Tile, M - m0);
-    if (r == 1) fn(Rows<1>{}, m0);
-    else if (r == 2) fn(Rows<2>{}, m0);
-    else if constexpr (Tile >= 3) {
-      if (r == 3) fn(Rows<3>{}, m0);
-      else fn(Rows<4>{}, m0);
-    }
+  const int64_t tiles = (M + Tile - 1) / Tile;
+  for (int64_t i = 0, m0 = 0; i < tiles; ++i) {
+    const int64_t r = M / tiles + (i < M % tiles);
+    with_rows<Tile>(r, m0, fn);
+    m0 += r;
   }
 }
 
@@ -172,7 +185,7 @@ void dense_linear(const at::Tensor& x, const T* w, const S* scale, at::Tensor& y
     using Y = std::remove_pointer_t<decltype(yp)>;
     at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
       for_blocks(n0, n1, [&](int64_t b0, int64_t b1) {
-        for_tiles<kTileDense>(M, [&](auto rows, int64_t m0) {
+        auto tile = [&](auto rows, int64_t m0) {
           Y* yt = yp + m0 * N;
           auto finish = [&](int m, int64_t n, float sum) {
             yt[m * N + n] = static_cast<Y>(scale ? sum * static_cast<float>(scale[n]) : sum);
@@ -180,7 +193,9 @@ void dense_linear(const at::Tensor& x, const T* w, const S* scale, at::Tensor& y
           constexpr int R = decltype(rows)::value;
           if (R == 1 && !invariant) dense_rows<R, 4>(xf + m0 * K, w, K, b0, b1, finish);
           else dense_rows<R, 2>(xf + m0 * K, w, K, b0, b1, finish);
-        });
+        };
+        if (kTileDense * K * 4 <= kTileBytes) for_tiles<kTileDense>(M, tile);
+        else for_tiles<4>(M, tile);
       });
     });
   });

@@ -119,6 +119,19 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, T* out, const in
       wb::store(out + g * D + c * kLanes, Vec::loadu(acc + g * D + c * kLanes) * Vec(inv[g]));
 }
 
+// Row j of the block at `ahead` (nullptr: none), this head's kD values, prefetched into L1. With
+// each row read, attend_fixed fetches the same row of the next block (of K; in K's last block, of
+// V's first), so the next block is in flight while this one is computed: blocks lie anywhere in
+// the pool, and the hardware prefetcher loses the stream at every block boundary. 1.18x per layer
+// call on 48 sequences of ~230 positions, 2 AVX2 cores (python -m kernels.cpu.bench_attention fp32
+// --against DIR, DIR without it); whole blocks two ahead into L2 gained nothing there.
+template <typename T, int kD>
+inline void prefetch_head_row(const T* ahead, int64_t j, int64_t kv_stride) {
+  if (ahead == nullptr) return;
+  const char* row = reinterpret_cast<const char*>(ahead + j * kv_stride);
+  for (int64_t o = 0; o < kD * static_cast<int64_t>(sizeof(T)); o += 64) __builtin_prefetch(row + o, 0, 3);
+}
+
 // The same computation with G and D known at compile time (fp32 caches; G <= 4 query heads per kv
 // head, D = 64 or 128): queries and output accumulators live in registers, and the loops over
 // heads and chunks unroll. Measured at 48 sequences x ~230 positions, G=3, D=64, bf16, one layer
@@ -126,7 +139,7 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, T* out, const in
 // here rather than in attend_rows: an attend_rows<float> took 2363 vs 2220 us per layer call under
 // AVX512-BF16 flags, 2261 vs 2228 under AVX2 (medians of 7 rounds, one thread, `python -m
 // kernels.cpu.bench_attention fp32 --threads 1`). With 2 threads, gather + SDPA / this = 2.1x
-// under AVX512-BF16 (1346 us) and 1.75x under AVX2 (1500 us).
+// under AVX512-BF16 (1346 us, without prefetch_head_row) and 3.3x under AVX2 (1243 us).
 template <typename T, int kG, int kD>
 void attend_fixed(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* blocks,
                   int64_t L, int64_t block_size, int64_t kv_stride, float scale,
@@ -140,7 +153,10 @@ void attend_fixed(const T* q, const T* k_cache, const T* v_cache, T* out, const 
   for (int64_t t0 = 0; t0 < L; t0 += block_size) {
     const T* kb = k_cache + blocks[t0 / block_size] * block_size * kv_stride;
     const int64_t n = std::min(block_size, L - t0);
+    const T* ahead = t0 + block_size < L ? k_cache + blocks[t0 / block_size + 1] * block_size * kv_stride
+                                         : v_cache + blocks[0] * block_size * kv_stride;
     for (int64_t j = 0; j < n; ++j) {
+      prefetch_head_row<T, kD>(ahead, j, kv_stride);
       Vec kr[kC];
       for (int c = 0; c < kC; ++c) kr[c] = wb::load(kb + j * kv_stride + c * kLanes);
       for (int g = 0; g < kG; ++g) {
@@ -158,7 +174,10 @@ void attend_fixed(const T* q, const T* k_cache, const T* v_cache, T* out, const 
   for (int64_t t0 = 0; t0 < L; t0 += block_size) {
     const T* vb = v_cache + blocks[t0 / block_size] * block_size * kv_stride;
     const int64_t n = std::min(block_size, L - t0);
+    const T* ahead = t0 + block_size < L ? v_cache + blocks[t0 / block_size + 1] * block_size * kv_stride
+                                         : nullptr;
     for (int64_t j = 0; j < n; ++j) {
+      prefetch_head_row<T, kD>(ahead, j, kv_stride);
       for (int c = 0; c < kC; ++c) {
         const Vec vv = wb::load(vb + j * kv_stride + c * kLanes);
         for (int g = 0; g < kG; ++g)
