@@ -137,6 +137,9 @@ class EngineConfig:
     quantization: str | None = None      # None, "int8", "int4", "gptq", "awq", "smoothquant"
     quantization_config: dict | None = None   # QuantConfig fields: group_size, quantize_lm_head...
     kv_cache_dtype: str = "auto"         # "auto" (the model's dtype), "fp8" (e4m3), "int8"
+    # Pruning (workbench/compress/), applied before quantization when both are set.
+    pruning: str | None = None           # None, "magnitude", "wanda", "sparsegpt"
+    pruning_config: dict | None = None   # PruneConfig fields: sparsity, pattern ("2:4"), ...
     # Speculative decoding (workbench/spec/): {"method": ..., "num_speculative_tokens": k, ...}.
     speculative_config: dict | None = None
     # Parallelism (workbench/parallel/): worker processes on torch.distributed.
@@ -159,6 +162,13 @@ class EngineConfig:
             raise ValueError("quantization_config is set but quantization is None: choose a method")
         else:
             self.quant_config = None
+        if self.pruning is not None:
+            from .compress.pruning import PruneConfig
+            self.prune_config = PruneConfig.from_args(self.pruning, self.pruning_config)
+        elif self.pruning_config:
+            raise ValueError("pruning_config is set but pruning is None: choose a method")
+        else:
+            self.prune_config = None
         self.spec_config = None
         if self.speculative_config is not None:
             from .spec.config import SpeculativeConfig
@@ -238,10 +248,11 @@ class EngineConfig:
                                  "rest of the model")
         if self.world_size > 1:
             for name, value in (("speculative_config", self.speculative_config),
-                                ("quantization", self.quantization)):
+                                ("quantization", self.quantization),
+                                ("pruning", self.pruning)):
                 if value is not None:
                     raise ValueError(f"{name}={value!r} is invalid with parallel workers: the "
-                                     "parallel engine runs unquantized models without "
+                                     "parallel engine runs unquantized, unpruned models without "
                                      "speculation; set it to None or use one process")
 
     def _check_cpu_gemv(self) -> None:

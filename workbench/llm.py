@@ -49,6 +49,8 @@ class LLM:
                 dtype += (f" activations, {e.weights_stored_bf16} layers' weights in bf16 (half "
                           "the bytes a decode step reads)")
         quant = f", quantization={e.quantization}" if e.quantization else ""
+        if e.config.prune_config is not None:
+            quant = f", pruning={e.config.prune_config.describe()}" + quant
         moe = e.config.moe_config
         quant += f", moe={moe['num_experts']} experts top-{moe['top_k']}" if moe else ""
         weights = (f"weights {e.model.weight_bytes() / 2**20:.0f} MiB on {e.device.type}{how}"

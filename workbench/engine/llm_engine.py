@@ -97,15 +97,19 @@ class LLMEngine:
 
     def _load_model(self, config: EngineConfig) -> None:
         if is_quantized_checkpoint(self.checkpoint):
-            if config.quant_config is not None:
-                raise ValueError(f"quantization={config.quantization!r} is invalid for "
-                                 f"{config.model}: it is already quantized; pass None")
+            for name, value in (("quantization", config.quantization),
+                                ("pruning", config.pruning)):
+                if value is not None:
+                    raise ValueError(f"{name}={value!r} is invalid for {config.model}: it is "
+                                     "already quantized; pass None")
             self.model, manifest = load_quantized(self.checkpoint, self.dtype, self.device,
                                                   config.max_model_len)
             self.quantization = manifest["method"]
         else:
             self.model = load_model(self.checkpoint, self.dtype, self.device,
                                     config.max_model_len)
+            if config.prune_config is not None:
+                self._prune(config.prune_config)
             if config.quant_config is not None:
                 self._quantize(config.quant_config)
                 self.quantization = config.quant_config.method
@@ -166,6 +170,18 @@ class LLMEngine:
         """Stop the worker processes of a parallel engine (a single-process engine has none)."""
         if self.executor is not None:
             self.executor.close()
+
+    def _prune(self, cfg) -> None:
+        from ..compress.pruning import CALIBRATED, prune_model
+        calibration = None
+        if cfg.method in CALIBRATED:
+            if self.tokenizer is None:
+                raise ValueError(f"pruning={cfg.method!r} calibrates on text and needs the "
+                                 "model's tokenizer, which this checkpoint lacks")
+            from ..quant.calibration import calibration_windows
+            calibration = calibration_windows(self.tokenizer, cfg.num_calibration_windows,
+                                              cfg.calibration_window_len)
+        prune_model(self.model, cfg, calibration)
 
     def _quantize(self, cfg) -> None:
         from ..quant.apply import quantize_model

@@ -154,6 +154,35 @@ def single_thread():
         torch.set_num_threads(before)
 
 
+def damped_hessian(w: torch.Tensor, hessian: torch.Tensor, percdamp: float
+                   ) -> tuple[torch.Tensor, float]:
+    """(H + damp I in float64, damp) for the (N, K) fp32 weight w, which is changed in place: the
+    columns of inputs that were always zero (H_jj = 0) are zeroed, any weight will do there, and
+    their H_jj set to 1. damp = percdamp times the mean of H's diagonal. (GPTQ and SparseGPT.)"""
+    k = w.shape[1]
+    if hessian.shape != (k, k):
+        raise ValueError(f"hessian of shape {tuple(hessian.shape)} does not match a weight with "
+                         f"{k} input features: it must be ({k}, {k})")
+    h = hessian.detach().double().clone()
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    damp = percdamp * torch.diagonal(h).mean().item()
+    h.diagonal().add_(damp)
+    return h, damp
+
+
+def upper_inverse_factor(h: torch.Tensor) -> torch.Tensor:
+    """U, the upper Cholesky factor of H^-1 (H^-1 = U^T U), in fp32: row j holds [H^-1]_j,j: /
+    sqrt([H^-1]_jj) taken over the columns >= j, i.e. the inverse Hessian of the columns still
+    free when column j is reached. With J the reversal permutation, J H J = L L^T gives
+    U = J L^-1 J: one Cholesky and one triangular inverse, no explicit H^-1 (the same U as
+    cholesky(cholesky_inverse(cholesky(H)), upper=True), to 1e-16, and several times faster)."""
+    eye = torch.eye(h.shape[0], dtype=h.dtype)
+    low = torch.linalg.cholesky(h.flip(0, 1))
+    return torch.linalg.solve_triangular(low, eye, upper=False).flip(0, 1).float()
+
+
 @dataclass
 class GPTQResult:
     """One matrix quantized by GPTQ, with what happened to each column."""
@@ -178,16 +207,8 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, group_size
     check_group_size(group_size)
     w = weight.detach().float().clone()
     n, k = w.shape
-    if hessian.shape != (k, k):
-        raise ValueError(f"hessian of shape {tuple(hessian.shape)} does not match a weight with "
-                         f"{k} input features: it must be ({k}, {k})")
-    h = hessian.detach().double().clone()
-    dead = torch.diagonal(h) == 0      # inputs that were always zero: any weight will do
-    h[dead, dead] = 1
-    w[:, dead] = 0
+    h, damp = damped_hessian(w, hessian, percdamp)
     original = w.clone()
-    damp = percdamp * torch.diagonal(h).mean().item()
-    h.diagonal().add_(damp)
     groups = -(-k // group_size)
     perm = None
     if act_order:
@@ -199,14 +220,7 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, group_size
     else:
         scale = torch.zeros(n, groups)
         minimum = torch.zeros(n, groups)
-    # U, the upper Cholesky factor of H^-1 (H^-1 = U^T U): row j holds [H^-1]_j,j: /
-    # sqrt([H^-1]_jj) taken over the columns >= j, i.e. the inverse Hessian of the columns still
-    # free when column j is reached. With J the reversal permutation, J H J = L L^T gives
-    # U = J L^-1 J: one Cholesky and one triangular inverse, no explicit H^-1 (the same U as
-    # cholesky(cholesky_inverse(cholesky(H)), upper=True), to 1e-16, and several times faster).
-    eye = torch.eye(k, dtype=h.dtype)
-    low = torch.linalg.cholesky(h.flip(0, 1))
-    hinv = torch.linalg.solve_triangular(low, eye, upper=False).flip(0, 1).float()
+    hinv = upper_inverse_factor(h)
 
     # Groups must start at block starts or inside a block, so that a group's parameters are read
     # from fully updated weights: blocks are a multiple of the group size.

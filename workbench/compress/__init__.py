@@ -1,0 +1,1 @@
+"""Model compression beyond quantization: pruning (pruning.py)."""
