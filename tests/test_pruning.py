@@ -1,6 +1,7 @@
-"""Pruning (workbench/compress/pruning.py): exact masks on hand-made matrices, the pattern's
-invariants on random ones for every method, SparseGPT's reconstruction against the mask-only
-methods, the knobs' errors, and on the real model the order the papers report."""
+"""Pruning (workbench/compress/): exact masks on hand-made matrices, the pattern's invariants on
+random ones for every method, SparseGPT's reconstruction against the mask-only methods, the knobs'
+errors, on the real model the order the papers report; structured pruning's slicing against
+zeroing, Block Influence on a layer that does nothing, and a smaller engine that still runs."""
 import math
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from workbench import LLM, SamplingParams
 from workbench.compress.pruning import (PruneConfig, keep_mask, sparsegpt_prune_weight,
                                         sparsity_report, storage_bytes, wanda_score)
+from workbench.compress.structured import block_influence, slice_channels
 from workbench.quant.calibration import heldout_windows
 from workbench.quant.evaluate import compare_many
 
@@ -97,7 +99,7 @@ def test_storage_bytes_of_the_compressed_forms():
 @pytest.mark.parametrize("method, options, message", [
     ("prune", None, r"pruning='prune' is invalid: allowed are None, 'magnitude'"),
     ("wanda", {"sparsity": 1.0}, r"pruning_config\['sparsity'\]=1.0 is invalid"),
-    ("wanda", {"ratio": 0.5}, r"unknown key\(s\) \['ratio'\]"),
+    ("wanda", {"ratio_": 0.5}, r"unknown key\(s\) \['ratio_'\]"),
     ("wanda", {"pattern": "4:2"}, r"pruning_config\['pattern'\]='4:2' is invalid"),
     ("wanda", {"pattern": "2:4", "sparsity": 0.6}, r"contradicts pattern '2:4'"),
     ("sparsegpt", {"pattern": "2:6", "sparsegpt_block_size": 128}, r"multiple of 6"),
@@ -147,3 +149,62 @@ def test_on_smollm2_wanda_and_sparsegpt_beat_magnitude_at_2_4():
               "sparsegpt": LLM(**common, pruning="sparsegpt", pruning_config=cal)}
     kl = {k: r.mean_kl for k, r in compare_many(dense, pruned, windows).items()}
     assert kl["wanda"] < 0.8 * kl["magnitude"] and kl["sparsegpt"] < 0.8 * kl["magnitude"], kl
+
+
+# ----------------------------------------------------------------------------- structured
+def test_slicing_channels_computes_what_zeroing_them_does():
+    from workbench.models.llama import MLP
+    args = LLM(model="random:tiny", dtype="float32", verbose=False).engine.model.args
+    torch.manual_seed(0)
+    mlp = MLP(args).float()
+    x = torch.randn(5, args.hidden_size)
+    keep = torch.tensor([0, 3, 4, 9, 17, 100])
+    zeroed = MLP(args).float()
+    zeroed.load_state_dict(mlp.state_dict())
+    dropped = torch.ones(args.intermediate_size, dtype=torch.bool)
+    dropped[keep] = False
+    zeroed.down_proj.weight.data[:, dropped] = 0
+    slice_channels(mlp, keep)
+    assert mlp.gate_up_proj.weight.shape == (2 * len(keep), args.hidden_size)
+    assert mlp.down_proj.weight.shape == (args.hidden_size, len(keep))
+    torch.testing.assert_close(mlp(x), zeroed(x), rtol=1e-6, atol=1e-6)
+
+
+def test_a_layer_that_changes_nothing_has_no_influence_and_goes_first():
+    llm = LLM(model="random:tiny-mha", dtype="float32", verbose=False)
+    model = llm.engine.model
+    idle = model.layers[1]
+    idle.self_attn.o_proj.weight.data.zero_()
+    idle.mlp.down_proj.weight.data.zero_()       # the layer adds nothing to the residual stream
+    scores = block_influence(model, [[5, 9, 11, 20, 7, 3, 8, 2]] * 2)
+    assert abs(scores[1]) < 1e-6 and min(scores[0], scores[2]) > 1e-3, scores
+
+
+@pytest.mark.parametrize("method", ["channels", "layers"])
+def test_structured_pruning_shrinks_the_engine_which_still_generates(method):
+    dense = LLM(model="smollm2-135m", dtype="float32", verbose=False, max_model_len=256,
+                num_kv_blocks=64)
+    small = LLM(model="smollm2-135m", dtype="float32", verbose=False, max_model_len=256,
+                num_kv_blocks=64, pruning=method,
+                pruning_config={"ratio": 0.25, "num_calibration_windows": 2,
+                                "calibration_window_len": 64})
+    model = small.engine.model
+    if method == "layers":
+        assert len(model.layers) == 30 - round(0.25 * 30) == 22
+        assert small.engine.kv_cache_bytes == dense.engine.kv_cache_bytes * 22 // 30
+    else:
+        assert all(layer.mlp.down_proj.in_features == 1536 - 384 for layer in model.layers)
+    assert model.num_parameters() < 0.9 * dense.engine.model.num_parameters()
+    assert f"pruning={method} 25%" in small.describe()
+    out = small.generate(["The capital of France is"],
+                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 8
+
+
+def test_structured_options_are_their_own():
+    with pytest.raises(ValueError, match=r"\['pattern'\] do not apply to pruning='layers'"):
+        PruneConfig.from_args("layers", {"pattern": "2:4"})
+    with pytest.raises(ValueError, match=r"\['ratio'\] do not apply to pruning='wanda'"):
+        PruneConfig.from_args("wanda", {"ratio": 0.5})
+    with pytest.raises(ValueError, match=r"pruning_config\['ratio'\]=1 is invalid"):
+        PruneConfig.from_args("channels", {"ratio": 1})

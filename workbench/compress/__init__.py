@@ -1,1 +1,2 @@
-"""Model compression beyond quantization: pruning (pruning.py)."""
+"""Model compression beyond quantization: pruning by masks (pruning.py) and structured pruning
+that removes layers or MLP channels (structured.py)."""

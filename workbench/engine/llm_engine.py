@@ -182,6 +182,8 @@ class LLMEngine:
             calibration = calibration_windows(self.tokenizer, cfg.num_calibration_windows,
                                               cfg.calibration_window_len)
         prune_model(self.model, cfg, calibration)
+        # removing layers shrinks the KV cache too (built after this, from model_args)
+        self.model_args.num_hidden_layers = self.model.args.num_hidden_layers = len(self.model.layers)
 
     def _quantize(self, cfg) -> None:
         from ..quant.apply import quantize_model
