@@ -208,3 +208,31 @@ def test_structured_options_are_their_own():
         PruneConfig.from_args("wanda", {"ratio": 0.5})
     with pytest.raises(ValueError, match=r"pruning_config\['ratio'\]=1 is invalid"):
         PruneConfig.from_args("channels", {"ratio": 1})
+
+
+# ----------------------------------------------------------------------------- save and load
+@pytest.mark.parametrize("method, options", [("magnitude", {"pattern": "2:4"}),
+                                             ("channels", {"ratio": 0.3}),
+                                             ("layers", {"ratio": 0.5})])
+def test_a_saved_pruned_model_loads_back_and_quantizes(tmp_path, method, options):
+    cal = {} if method == "magnitude" else {"num_calibration_windows": 2,
+                                            "calibration_window_len": 32}
+    pruned = LLM(model="random:tiny-mha", dtype="float32", verbose=False, pruning=method,
+                 pruning_config={**options, **cal})
+    folder = pruned.save_pruned(tmp_path / "pruned")
+    loaded = LLM(model=folder, dtype="float32", verbose=False)
+    assert f"pruned checkpoint ({method})" in loaded.describe()
+    a, b = pruned.engine.model.state_dict(), loaded.engine.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k].float(), b[k].float()) for k in a)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    same = [o.outputs[0].token_ids for o in (pruned.generate([[4, 8, 15, 16]], sp)
+                                             + loaded.generate([[4, 8, 15, 16]], sp))]
+    assert same[0] == same[1]
+    both = LLM(model=folder, dtype="float32", verbose=False, quantization="int8")
+    assert both.engine.quantization == "int8"
+    assert len(both.generate([[4, 8, 15, 16]], sp)[0].outputs[0].token_ids) == 6
+    with pytest.raises(ValueError, match="already pruned"):
+        LLM(model=folder, verbose=False, pruning="magnitude")
+    with pytest.raises(ValueError, match="save_pruned needs an unquantized model"):
+        LLM(model="random:tiny-mha", verbose=False, pruning="magnitude",
+            quantization="int8").save_pruned(tmp_path / "no")

@@ -51,6 +51,8 @@ class LLM:
         quant = f", quantization={e.quantization}" if e.quantization else ""
         if e.config.prune_config is not None:
             quant = f", pruning={e.config.prune_config.describe()}" + quant
+        elif e.pruned_manifest is not None:
+            quant = f", pruned checkpoint ({e.pruned_manifest['method']})" + quant
         moe = e.config.moe_config
         quant += f", moe={moe['num_experts']} experts top-{moe['top_k']}" if moe else ""
         weights = (f"weights {e.model.weight_bytes() / 2**20:.0f} MiB on {e.device.type}{how}"
@@ -97,6 +99,11 @@ class LLM:
 
     def __exit__(self, *exc):
         self.close()
+
+    def save_pruned(self, path) -> str:
+        """Save a pruned model as a folder; LLM(model=path) loads it without recalibrating, and
+        LLM(model=path, quantization=...) quantizes it."""
+        return self.engine.save_pruned(path)
 
     def save_quantized(self, path) -> str:
         """Save a quantized model as a folder; LLM(model=path) loads it without recalibrating."""

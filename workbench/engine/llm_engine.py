@@ -32,6 +32,7 @@ from ..kv.paged_cache import PagedKVCache, kv_bytes_per_token
 from ..models.loader import load_model, load_tokenizer, read_args, resolve_checkpoint
 from .output_processor import OutputProcessor
 from ..outputs import RequestOutput
+from ..compress.checkpoint import is_pruned_checkpoint, load_pruned, save_pruned
 from ..quant.checkpoint import is_quantized_checkpoint, load_quantized, save_quantized
 from ..parallel.comm import merge_stats
 from .runner import ModelRunner, plan_step
@@ -56,6 +57,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.checkpoint)
         self.quantization = None                     # the method the weights carry, if any
         self.weights_stored_bf16 = 0                 # fp32 layers whose weights are kept in bf16
+        self.pruned_manifest = None                  # pruning.json of a pruned checkpoint loaded
         self.blocks = BlockManager(
             config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
             num_cpu_blocks=config.num_cpu_blocks,
@@ -106,8 +108,15 @@ class LLMEngine:
                                                   config.max_model_len)
             self.quantization = manifest["method"]
         else:
-            self.model = load_model(self.checkpoint, self.dtype, self.device,
-                                    config.max_model_len)
+            if is_pruned_checkpoint(self.checkpoint):
+                if config.prune_config is not None:
+                    raise ValueError(f"pruning={config.pruning!r} is invalid for {config.model}: "
+                                     "it is already pruned; pass None")
+                self.model, self.pruned_manifest = load_pruned(
+                    self.checkpoint, self.dtype, self.device, config.max_model_len)
+            else:
+                self.model = load_model(self.checkpoint, self.dtype, self.device,
+                                        config.max_model_len)
             if config.prune_config is not None:
                 self._prune(config.prune_config)
             if config.quant_config is not None:
@@ -198,6 +207,13 @@ class LLMEngine:
         quantize_model(self.model, cfg, calibration)
         from ..memory import release_memory
         release_memory()        # the full-precision weights the quantized layers replaced
+
+    def save_pruned(self, path) -> str:
+        """Write the pruned model as a folder that LLM(model=path) loads (compress/checkpoint.py)."""
+        if self.config.prune_config is None:
+            raise ValueError("save_pruned needs a pruned model: build the LLM with pruning=... "
+                             "first")
+        return str(save_pruned(self.model, self.config.prune_config, self.checkpoint, path))
 
     def save_quantized(self, path) -> str:
         """Write the quantized model as a folder that LLM(model=path) loads (quant/checkpoint.py)."""
