@@ -6,6 +6,8 @@ offline-mixed: throughput on 64 mixed-length requests vs transformers in static 
 kernels:       (CUDA only) FlashAttention forward TFLOP/s vs SDPA, paged decode GB/s vs copy.
 quant:         every quantization method and KV dtype vs bf16: KL, perplexity, top-1, bytes,
                decode tok/s and GB/s (its own options: python -m workbench.bench quant --help).
+compress:      every pruning method and pattern vs the dense model: KL, perplexity, top-1, bytes
+               dense and compressed, decode speedup at batch 1 and 16 (--help for options).
 parallel:      tensor/pipeline/expert-parallel layouts vs one process: tok/s, the share of time
                in collectives, bytes per step (python -m workbench.bench parallel --help).
 spec:          speculative decoding: every drafter vs plain decoding on single-stream, and the
@@ -47,6 +49,9 @@ def main(argv=None) -> None:
     if argv[:1] == ["spec"]:
         from . import spec
         return spec.main(argv[1:])
+    if argv[:1] == ["compress"]:
+        from . import compress
+        return compress.main(argv[1:])
     if argv[:1] == ["floor"]:
         from . import gemm_floor
         return gemm_floor.main(argv[1:])

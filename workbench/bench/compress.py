@@ -1,0 +1,170 @@
+"""The compression table: every pruning variant against the dense model, quality, bytes and speed.
+
+For each variant (dense; magnitude, Wanda and SparseGPT at 50% unstructured and at 2:4; MLP
+channels and whole layers removed at two ratios), built in one process from the same checkpoint
+with the default dtype (`LLM()`'s):
+
+- quality on held-out CPython documentation against the dense engine: perplexity, mean KL(dense ||
+  variant), top-1 agreement (quant/evaluate.py, the quantization table's harness);
+- the decoder projections' bytes dense and in the best compressed form for their zeros (bitmask,
+  or values plus indices for N:M; compress/pruning.py `storage_bytes`);
+- decode speed at batch 1 (a ~32-token prompt, 128 new tokens) and batch 16 (16 prompts, 64 new
+  tokens each), greedy, ignore_eos; variants run in turn, round after round, and a speedup is the
+  median over rounds of the variant's tok/s over the dense engine's in the same round.
+
+Mask pruning leaves dense tensors holding zeros, so its speed column shows what dense kernels make
+of them: nothing. Structured pruning shrinks the matmuls.
+
+    python -m workbench.bench compress [--variants wanda-2:4 layers-0.3] [--json out.json]
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+from ..compress.pruning import sparsity_report, storage_bytes
+from ..llm import LLM
+from ..quant.calibration import heldout_windows
+from ..quant.evaluate import compare_many
+from ..quant.gptq import ORDER, get_module
+from ..sampling_params import SamplingParams
+from .single_stream import PROMPT
+
+VARIANTS = ("dense", "magnitude-50%", "wanda-50%", "sparsegpt-50%", "magnitude-2:4", "wanda-2:4",
+            "sparsegpt-2:4", "channels-0.15", "channels-0.3", "layers-0.15", "layers-0.3")
+NUM_WINDOWS, WINDOW_LEN = 16, 256
+BATCH, BATCH_TOKENS, SINGLE_TOKENS = 16, 64, 128
+
+
+def parse_variant(spec: str) -> dict:
+    """'wanda-2:4' -> pruning='wanda', pattern '2:4'; 'sparsegpt-50%' -> sparsity 0.5;
+    'layers-0.3' -> ratio 0.3; 'dense' -> no pruning."""
+    if spec == "dense":
+        return {}
+    method, _, amount = spec.partition("-")
+    if ":" in amount:
+        options = {"pattern": amount}
+    elif amount.endswith("%"):
+        options = {"sparsity": float(amount[:-1]) / 100}
+    else:
+        try:
+            options = {"ratio": float(amount)}
+        except ValueError:
+            raise ValueError(f"variant={spec!r} is invalid: write 'dense', '<method>-N:M', "
+                             "'<method>-<percent>%' or '<channels|layers>-<ratio>'") from None
+    return {"pruning": method, "pruning_config": options}
+
+
+def projection_bytes(llm: LLM, pattern: str) -> dict[str, int]:
+    """Dense and compressed bytes of every decoder projection, summed."""
+    total = {"dense": 0, "compressed": 0}
+    for layer in llm.engine.model.layers:
+        for path in ORDER:
+            sizes = storage_bytes(get_module(layer, path)[2].weight.detach(), pattern)
+            total["dense"] += sizes["dense"]
+            total["compressed"] += min(sizes.values())
+    return total
+
+
+def decode_tok_s(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t
+    assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
+    return len(prompts) * new_tokens / wall
+
+
+def _progress(message: str) -> None:
+    print(f"[bench compress] {message}", file=sys.stderr, flush=True)
+
+
+def run(variants=VARIANTS, num_windows: int = NUM_WINDOWS, window_len: int = WINDOW_LEN,
+        repeats: int = 3, model: str = "smollm2-135m", **_) -> dict:
+    specs = {v: parse_variant(v) for v in dict.fromkeys(("dense",) + tuple(variants))}
+    engines, rows = {}, {}
+    for name, extra in specs.items():
+        t = time.perf_counter()
+        engines[name] = LLM(model, device="cpu", verbose=False, max_model_len=512,
+                            max_num_seqs=BATCH, max_num_batched_tokens=512, **extra)
+        rows[name] = {"variant": name, "build_s": time.perf_counter() - t,
+                      "describe": engines[name].describe()}
+        _progress(f"built {name} in {rows[name]['build_s']:.1f} s")
+    dense = engines["dense"]
+    tok = dense.get_tokenizer()
+    others = {n: e for n, e in engines.items() if n != "dense"}
+    quality = compare_many(dense, others, heldout_windows(tok, num_windows, window_len)) \
+        if others else {}
+    for name, llm in engines.items():
+        row = rows[name]
+        q = quality.get(name)
+        if q is not None:
+            row.update(ppl=q.ppl_candidate, ppl_dense=q.ppl_reference, mean_kl=q.mean_kl,
+                       top1=q.top1_agreement)
+        else:
+            row.update(ppl=None, mean_kl=0.0, top1=1.0)
+        pattern = specs[name].get("pruning_config", {}).get("pattern", "unstructured")
+        row.update(projection_bytes(llm, pattern))
+        zeros = sparsity_report(llm.engine.model)
+        row["zero_fraction"] = statistics.mean(zeros.values())
+        row["parameters"] = llm.engine.model.num_parameters()
+    _progress("timing decode")
+    prompt = tok.encode(PROMPT)
+    batch = [tok.encode(f"{PROMPT} ({i})") for i in range(BATCH)]
+    speed = {n: {"b1": [], "b16": []} for n in engines}
+    for r in range(repeats):
+        order = list(engines) if r % 2 == 0 else list(engines)[::-1]
+        for name in order:
+            speed[name]["b1"].append(decode_tok_s(engines[name], [prompt], SINGLE_TOKENS))
+            speed[name]["b16"].append(decode_tok_s(engines[name], batch, BATCH_TOKENS))
+    for name in engines:
+        for key in ("b1", "b16"):
+            rows[name][f"tok_s_{key}"] = statistics.median(speed[name][key])
+            rows[name][f"speedup_{key}"] = statistics.median(
+                v / d for v, d in zip(speed[name][key], speed["dense"][key]))
+    return {"workload": "compress", "model": model, "dtype": str(dense.engine.dtype),
+            "num_windows": num_windows, "window_len": window_len, "repeats": repeats,
+            "threads": torch.get_num_threads(), "rows": list(rows.values())}
+
+
+def format_table(r: dict) -> str:
+    lines = [f"compression on {r['model']} ({r['dtype']}), {r['num_windows']} x {r['window_len']} "
+             f"held-out tokens, {r['threads']} threads, speed medians of {r['repeats']} rounds",
+             f"{'variant':16} {'ppl':>7} {'mean KL':>8} {'top-1':>6} {'zeros':>6} "
+             f"{'proj MB':>8} {'compr MB':>8} {'b1 x':>6} {'b16 x':>6}"]
+    for row in r["rows"]:
+        ppl = f"{row['ppl']:.1f}" if row.get("ppl") else "-"
+        lines.append(f"{row['variant']:16} {ppl:>7} {row['mean_kl']:8.3f} {row['top1']:6.3f} "
+                     f"{row['zero_fraction']:6.1%} {row['dense'] / 1e6:8.1f} "
+                     f"{row['compressed'] / 1e6:8.1f} {row['speedup_b1']:6.2f} "
+                     f"{row['speedup_b16']:6.2f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    import argparse
+    import datetime
+    import json
+
+    from .machine import machine_info, measured_commit
+    ap = argparse.ArgumentParser(prog="python -m workbench.bench compress", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    ap.add_argument("--num-windows", type=int, default=NUM_WINDOWS)
+    ap.add_argument("--window-len", type=int, default=WINDOW_LEN)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", help="also write the results to this JSON file")
+    args = ap.parse_args(argv)
+    for v in args.variants:          # a typo fails now, not after minutes of calibration
+        parse_variant(v)
+    commit = measured_commit()
+    result = run(args.variants, args.num_windows, args.window_len, args.repeats)
+    result["date"] = datetime.datetime.now().isoformat(timespec="seconds")
+    result["machine"] = machine_info(commit)
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
