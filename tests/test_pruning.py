@@ -236,3 +236,19 @@ def test_a_saved_pruned_model_loads_back_and_quantizes(tmp_path, method, options
     with pytest.raises(ValueError, match="save_pruned needs an unquantized model"):
         LLM(model="random:tiny-mha", verbose=False, pruning="magnitude",
             quantization="int8").save_pruned(tmp_path / "no")
+
+
+def test_the_compress_bench_reports_every_column():
+    from workbench.bench.compress import format_table, parse_variant, run
+    assert parse_variant("sparsegpt-50%") == {"pruning": "sparsegpt",
+                                              "pruning_config": {"sparsity": 0.5}}
+    with pytest.raises(ValueError, match="variant='wanda-half' is invalid"):
+        parse_variant("wanda-half")
+    r = run(variants=("magnitude-2:4", "layers-0.3"), num_windows=1, window_len=32, repeats=1)
+    rows = {row["variant"]: row for row in r["rows"]}
+    assert list(rows) == ["dense", "magnitude-2:4", "layers-0.3"]
+    assert abs(rows["magnitude-2:4"]["zero_fraction"] - 0.5) < 1e-4   # a few were 0 already
+    assert rows["magnitude-2:4"]["compressed"] < 0.6 * rows["magnitude-2:4"]["dense"]
+    assert rows["layers-0.3"]["dense"] < 0.75 * rows["dense"]["dense"]
+    assert rows["layers-0.3"]["mean_kl"] > 0 and rows["dense"]["speedup_b1"] == 1.0
+    assert "layers-0.3" in format_table(r)

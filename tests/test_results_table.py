@@ -19,7 +19,7 @@ def test_committed_results_table_is_current():
     text = files[readme]
     assert "python -m workbench.bench table" in text.splitlines()[0]
     # every committed speed run appears once, linked
-    speed, _, _ = table.load(REPO / "results")
+    speed = table.load(REPO / "results")[0]
     assert speed
     for rel, _ in speed:
         assert text.count(f"]({rel})") >= 1, rel
@@ -155,3 +155,21 @@ def test_check_and_docs_block(synthetic_repo, capsys):
     # a docs page without the markers is left alone
     docs.write_text("# Performance\n")
     assert table.stale(root) == []
+
+
+def test_a_compress_run_gets_its_own_table(tmp_path):
+    (tmp_path / "cpu").mkdir()
+    run = {"workload": "compress", "date": "2026-03-01T10:00:00", "model": "m",
+           "dtype": "torch.float32", "num_windows": 2, "window_len": 64, "threads": 2,
+           "rows": [{"variant": "dense", "ppl": None, "mean_kl": 0.0, "top1": 1.0,
+                     "zero_fraction": 0.0, "dense": 2e6, "compressed": 2e6,
+                     "speedup_b1": 1.0, "speedup_b16": 1.0},
+                    {"variant": "wanda-2:4", "ppl": 95.9, "mean_kl": 1.708, "top1": 0.383,
+                     "zero_fraction": 0.5, "dense": 2e6, "compressed": 1.125e6,
+                     "speedup_b1": 1.01, "speedup_b16": 0.99}]}
+    (tmp_path / "cpu" / "compress-x.json").write_text(json.dumps(run))
+    text = table.render_readme(tmp_path)
+    assert "## Compression" in text and "[compress-x.json](cpu/compress-x.json)" in text
+    assert "| wanda-2:4 | 95.9 | 1.708 | 0.383 | 50% | 2.0 | 1.1 | 1.01 | 0.99 |" in text
+    assert "| dense | - | 0.000 | 1.000 | 0% | 2.0 | 2.0 | 1.00 | 1.00 |" in text
+    assert "Other result files" not in text

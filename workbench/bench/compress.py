@@ -104,8 +104,9 @@ def run(variants=VARIANTS, num_windows: int = NUM_WINDOWS, window_len: int = WIN
         if q is not None:
             row.update(ppl=q.ppl_candidate, ppl_dense=q.ppl_reference, mean_kl=q.mean_kl,
                        top1=q.top1_agreement)
-        else:
-            row.update(ppl=None, mean_kl=0.0, top1=1.0)
+        else:   # the dense engine: its own perplexity, measured as every comparison's reference
+            ref = next(iter(quality.values()), None)
+            row.update(ppl=ref.ppl_reference if ref else None, mean_kl=0.0, top1=1.0)
         pattern = specs[name].get("pruning_config", {}).get("pattern", "unstructured")
         row.update(projection_bytes(llm, pattern))
         zeros = sparsity_report(llm.engine.model)
