@@ -169,13 +169,13 @@ def sparsegpt_prune_weight(weight: torch.Tensor, hessian: torch.Tensor, sparsity
                            percdamp: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
     """(pruned fp32 weight, keep mask) of one (N, K) weight by SparseGPT, given the Hessian
     2 X^T X / tokens (K, K) of its inputs (see the module docstring)."""
+    k = weight.shape[1]
+    if n_m is not None and k % n_m[1]:          # before the Hessian's factorization, not after
+        raise ValueError(f"pattern '{n_m[0]}:{n_m[1]}' needs in_features divisible by "
+                         f"{n_m[1]}; this layer has {k}")
     w = weight.detach().float().clone()
     h, _ = damped_hessian(w, hessian, percdamp)
     hinv = upper_inverse_factor(h)
-    k = w.shape[1]
-    if n_m is not None and k % n_m[1]:
-        raise ValueError(f"pattern '{n_m[0]}:{n_m[1]}' needs in_features divisible by "
-                         f"{n_m[1]}; this layer has {k}")
     wt = w.t().contiguous()                 # (K, N): a column of W is a contiguous row here
     keep = torch.ones_like(wt, dtype=torch.bool)
     with single_thread():

@@ -180,30 +180,27 @@ class LLMEngine:
         if self.executor is not None:
             self.executor.close()
 
+    def _calibration(self, knob: str, cfg, calibrated: tuple) -> list[list[int]] | None:
+        """The calibration windows cfg asks for when its method is one of `calibrated`, else None
+        (`knob`: the engine argument that chose the method, for the error)."""
+        if cfg.method not in calibrated:
+            return None
+        if self.tokenizer is None:
+            raise ValueError(f"{knob}={cfg.method!r} calibrates on text and needs the model's "
+                             "tokenizer, which this checkpoint lacks")
+        from ..quant.calibration import calibration_windows
+        return calibration_windows(self.tokenizer, cfg.num_calibration_windows,
+                                   cfg.calibration_window_len)
+
     def _prune(self, cfg) -> None:
         from ..compress.pruning import CALIBRATED, prune_model
-        calibration = None
-        if cfg.method in CALIBRATED:
-            if self.tokenizer is None:
-                raise ValueError(f"pruning={cfg.method!r} calibrates on text and needs the "
-                                 "model's tokenizer, which this checkpoint lacks")
-            from ..quant.calibration import calibration_windows
-            calibration = calibration_windows(self.tokenizer, cfg.num_calibration_windows,
-                                              cfg.calibration_window_len)
-        prune_model(self.model, cfg, calibration)
+        prune_model(self.model, cfg, self._calibration("pruning", cfg, CALIBRATED))
         # removing layers shrinks the KV cache too (built after this, from model_args)
         self.model_args.num_hidden_layers = self.model.args.num_hidden_layers = len(self.model.layers)
 
     def _quantize(self, cfg) -> None:
         from ..quant.apply import quantize_model
-        calibration = None
-        if cfg.method in ("gptq", "awq", "smoothquant"):
-            if self.tokenizer is None:
-                raise ValueError(f"quantization={cfg.method!r} calibrates on text and needs the "
-                                 "model's tokenizer, which this checkpoint lacks")
-            from ..quant.calibration import calibration_windows
-            calibration = calibration_windows(self.tokenizer, cfg.num_calibration_windows,
-                                              cfg.calibration_window_len)
+        calibration = self._calibration("quantization", cfg, ("gptq", "awq", "smoothquant"))
         quantize_model(self.model, cfg, calibration)
         from ..memory import release_memory
         release_memory()        # the full-precision weights the quantized layers replaced
