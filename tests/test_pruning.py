@@ -3,6 +3,7 @@ random ones for every method, SparseGPT's reconstruction against the mask-only m
 errors, on the real model the order the papers report; structured pruning's slicing against
 zeroing, Block Influence on a layer that does nothing, and a smaller engine that still runs."""
 import math
+import re
 
 import pytest
 import torch
@@ -244,6 +245,11 @@ def test_the_compress_bench_reports_every_column():
                                               "pruning_config": {"sparsity": 0.5}}
     with pytest.raises(ValueError, match="variant='wanda-half' is invalid"):
         parse_variant("wanda-half")
+    assert parse_variant("layers-0.3+gkd") == {"pruning": "layers", "pruning_config": {"ratio": 0.3},
+                                               "distill": "gkd"}
+    for bad in ("wanda-2:4+kd", "layers-0.3+mse"):
+        with pytest.raises(ValueError, match=re.escape(f"variant={bad!r} is invalid: distil a structured")):
+            parse_variant(bad)
     r = run(variants=("magnitude-2:4", "layers-0.3"), num_windows=1, window_len=32, repeats=1)
     rows = {row["variant"]: row for row in r["rows"]}
     assert list(rows) == ["dense", "magnitude-2:4", "layers-0.3"]

@@ -13,18 +13,24 @@ with the default dtype (`LLM()`'s):
   median over rounds of the variant's tok/s over the dense engine's in the same round.
 
 Mask pruning leaves dense tensors holding zeros, so its speed column shows what dense kernels make
-of them: nothing. Structured pruning shrinks the matmuls.
+of them: nothing. Structured pruning shrinks the matmuls. A variant `<pruned>+<loss>` (such as
+`layers-0.3+kd`) is that pruned model saved, distilled from the dense engine with the loss
+(compress/distill.py, `StudentDistillConfig`'s defaults) and loaded back: the table shows how much
+of what pruning lost the training wins back.
 
-    python -m workbench.bench compress [--variants wanda-2:4 layers-0.3] [--json out.json]
+    python -m workbench.bench compress [--variants wanda-2:4 layers-0.3 layers-0.3+kd] [--json out.json]
 """
 from __future__ import annotations
 
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
+from ..compress.distill import StudentDistillConfig, distill_student
 from ..compress.pruning import sparsity_report, storage_bytes
 from ..llm import LLM
 from ..quant.calibration import heldout_windows
@@ -34,16 +40,27 @@ from ..sampling_params import SamplingParams
 from .single_stream import PROMPT
 
 VARIANTS = ("dense", "magnitude-50%", "wanda-50%", "sparsegpt-50%", "magnitude-2:4", "wanda-2:4",
-            "sparsegpt-2:4", "channels-0.15", "channels-0.3", "layers-0.15", "layers-0.3")
+            "sparsegpt-2:4", "channels-0.15", "channels-0.3", "layers-0.15", "layers-0.3",
+            "layers-0.3+kd", "layers-0.3+seqkd", "layers-0.3+reverse_kl", "layers-0.3+gkd")
 NUM_WINDOWS, WINDOW_LEN = 16, 256
 BATCH, BATCH_TOKENS, SINGLE_TOKENS = 16, 64, 128
 
 
 def parse_variant(spec: str) -> dict:
     """'wanda-2:4' -> pruning='wanda', pattern '2:4'; 'sparsegpt-50%' -> sparsity 0.5;
-    'layers-0.3' -> ratio 0.3; 'dense' -> no pruning."""
+    'layers-0.3' -> ratio 0.3; 'layers-0.3+kd' -> that, then distilled with loss 'kd';
+    'dense' -> no pruning."""
+    from ..compress.losses import LOSSES
     if spec == "dense":
         return {}
+    spec, _, loss = spec.partition("+")
+    if loss:
+        base = parse_variant(spec)
+        if loss not in LOSSES or base.get("pruning") not in ("channels", "layers"):
+            raise ValueError(f"variant={spec + '+' + loss!r} is invalid: distil a structured "
+                             f"variant ('channels-<ratio>' or 'layers-<ratio>') with one of "
+                             f"{', '.join(LOSSES)}")
+        return {**base, "distill": loss}
     method, _, amount = spec.partition("-")
     if ":" in amount:
         options = {"pattern": amount}
@@ -78,6 +95,20 @@ def decode_tok_s(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
     return len(prompts) * new_tokens / wall
 
 
+def distilled(teacher: LLM, name: str, spec: dict, scratch: Path, args: dict, row: dict) -> LLM:
+    """The structured variant `spec` pruned from the teacher's checkpoint (saved once per
+    variant), distilled from the teacher with `spec["distill"]`'s loss, loaded as an engine."""
+    base = name.partition("+")[0]
+    pruned = scratch / base
+    if not pruned.is_dir():
+        LLM(teacher.engine.config.model, pruning=spec["pruning"],
+            pruning_config=spec["pruning_config"], verbose=False).save_pruned(pruned)
+    cfg = StudentDistillConfig(loss=spec["distill"])
+    out = distill_student(pruned, teacher, scratch / name, cfg)
+    row.update(distill_s=out.seconds, distill_steps=cfg.steps, distill_history=out.history)
+    return LLM(str(out.path), **args)
+
+
 def _progress(message: str) -> None:
     print(f"[bench compress] {message}", file=sys.stderr, flush=True)
 
@@ -86,13 +117,18 @@ def run(variants=VARIANTS, num_windows: int = NUM_WINDOWS, window_len: int = WIN
         repeats: int = 3, model: str = "smollm2-135m", **_) -> dict:
     specs = {v: parse_variant(v) for v in dict.fromkeys(("dense",) + tuple(variants))}
     engines, rows = {}, {}
+    scratch = tempfile.TemporaryDirectory(prefix="workbench-compress-")
+    args = dict(device="cpu", verbose=False, max_model_len=512, max_num_seqs=BATCH,
+                max_num_batched_tokens=512)
     for name, extra in specs.items():
         t = time.perf_counter()
-        engines[name] = LLM(model, device="cpu", verbose=False, max_model_len=512,
-                            max_num_seqs=BATCH, max_num_batched_tokens=512, **extra)
-        rows[name] = {"variant": name, "build_s": time.perf_counter() - t,
-                      "describe": engines[name].describe()}
-        _progress(f"built {name} in {rows[name]['build_s']:.1f} s")
+        row = rows[name] = {"variant": name}
+        if "distill" in extra:
+            engines[name] = distilled(engines["dense"], name, extra, Path(scratch.name), args, row)
+        else:
+            engines[name] = LLM(model, **args, **extra)
+        row.update(build_s=time.perf_counter() - t, describe=engines[name].describe())
+        _progress(f"built {name} in {row['build_s']:.1f} s")
     dense = engines["dense"]
     tok = dense.get_tokenizer()
     others = {n: e for n, e in engines.items() if n != "dense"}

@@ -314,7 +314,8 @@ def compress_section(compress: list) -> list[str]:
              "`python -m workbench.bench compress --json F`: pruning variants against the dense "
              "model on held-out text; projection bytes dense and in the best compressed form for "
              "their zeros; decode tok/s over the dense engine's at batch 1 and 16 (medians of "
-             "rounds). Newest run per machine kind.", ""]
+             "rounds); `+loss`: the pruned model distilled from the dense one with that loss "
+             "(training seconds and steps). Newest run per machine kind.", ""]
     newest = {}
     for rel, d in _newest_first(compress):
         newest.setdefault(machine_kind(d), (rel, d))
@@ -326,10 +327,11 @@ def compress_section(compress: list) -> list[str]:
         rows = [[r.get("variant", "-"), _f(r.get("ppl"), ".1f"), _f(r.get("mean_kl"), ".3f"),
                  _f(r.get("top1"), ".3f"), _f(r.get("zero_fraction"), ".0%"),
                  _f((r.get("dense") or 0) / 1e6, ".1f"), _f((r.get("compressed") or 0) / 1e6, ".1f"),
-                 _f(r.get("speedup_b1"), ".2f"), _f(r.get("speedup_b16"), ".2f")]
+                 _f(r.get("speedup_b1"), ".2f"), _f(r.get("speedup_b16"), ".2f"),
+                 f"{r['distill_s']:.0f} s, {r['distill_steps']} steps" if r.get("distill_s") else "-"]
                 for r in d["rows"]]
         lines += _table(["variant", "perplexity", "mean KL", "top-1", "zeros", "projections MB",
-                         "compressed MB", "batch 1 x", "batch 16 x"], rows) + [""]
+                         "compressed MB", "batch 1 x", "batch 16 x", "distillation"], rows) + [""]
     return lines
 
 

@@ -7,7 +7,8 @@ A pruned checkpoint is a folder that `LLM(model=folder)` loads like any other:
     model.safetensors     the engine's own state dict (fused qkv_proj and gate_up_proj names),
                           masked weights holding their zeros, removed channels and layers absent
     pruning.json          {"format": "workbench-pruned", "version": 1, "method": ..., "config":
-                           {PruneConfig's options}, "intermediate_sizes": [one per layer kept]}
+                           {PruneConfig's options}, "intermediate_sizes": [one per layer kept],
+                           and for a distilled student "distillation": {loss, config, teacher}}
 
 Each layer's MLP width comes from the manifest, so channel pruning's per-layer widths survive;
 transformers' LlamaConfig has one width for all layers, so this is a format for this engine, as
@@ -33,6 +34,21 @@ def is_pruned_checkpoint(folder: Path) -> bool:
 
 
 def save_pruned(model: LlamaModel, cfg, source: Path, target: Path) -> Path:
+    """The pruned `model` (pruned by PruneConfig `cfg` from the checkpoint `source`) to `target`."""
+    return _write(model, source, target, {
+        "method": cfg.method, "config": {k: v for k, v in asdict(cfg).items() if k != "method"}})
+
+
+def save_student(model: LlamaModel, manifest: dict, source: Path, target: Path,
+                 distillation: dict) -> Path:
+    """A distilled student: its pruning manifest (method "none" when it was not pruned) with the
+    distillation's record added."""
+    return _write(model, source, target, {
+        "method": manifest.get("method", "none"), "config": manifest.get("config", {}),
+        "distillation": {k: v for k, v in distillation.items() if k != "history"}})
+
+
+def _write(model: LlamaModel, source: Path, target: Path, manifest: dict) -> Path:
     from safetensors.torch import save_file
     if any(isinstance(m, QuantLinear) for m in model.modules()):
         raise ValueError("save_pruned needs an unquantized model: save the pruned model (no "
@@ -47,12 +63,11 @@ def save_pruned(model: LlamaModel, cfg, source: Path, target: Path) -> Path:
     config = json.loads((Path(source) / "config.json").read_text())
     config["num_hidden_layers"] = len(model.layers)
     (target / "config.json").write_text(json.dumps(config, indent=1))
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if model.args.tie_word_embeddings:
         state.pop("lm_head.weight", None)          # tied: stored once, as the embedding
     save_file(state, str(target / "model.safetensors"))
-    manifest = {"format": "workbench-pruned", "version": 1, "method": cfg.method,
-                "config": {k: v for k, v in asdict(cfg).items() if k != "method"},
+    manifest = {"format": "workbench-pruned", "version": 1, **manifest,
                 "intermediate_sizes": [layer.mlp.down_proj.in_features for layer in model.layers]}
     (target / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return target

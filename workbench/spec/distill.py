@@ -268,46 +268,31 @@ def agreement(draft, seqs: torch.Tensor, prompt_len: int, batch_size: int = 16) 
 
 
 def train_draft(draft, train, held, topk_lp, topk_idx, cfg: DistillConfig, log=print) -> list:
-    """AdamW on the distillation loss, batches from seeded permutations of the training
-    sequences. Returns the history: at step 0, every `eval_every` steps and at the end, the
-    held-out agreement and the mean training loss since the previous entry (None at step 0)."""
-    P, w, start = cfg.prompt_len, cfg.kl_weight, time.perf_counter()
+    """The workbench's training loop (compress/trainer.py) on the distillation loss, batches from
+    seeded permutations of the training sequences. Returns the history: at step 0, every
+    `eval_every` steps and at the end, the held-out agreement and the mean training loss since
+    the previous entry (None at step 0)."""
+    from ..compress.trainer import LoopConfig, train as train_loop
+    P, w = cfg.prompt_len, cfg.kl_weight
     emb = draft.model.embed_tokens.weight
     groups = [{"params": [p for p in draft.parameters() if p is not emb]},
               {"params": [emb], "lr": cfg.lr * EMBED_LR_SCALE}]
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0,
-                                  fused=True)
-    warmup = max(1, cfg.steps // 20)   # linear warm-up, then cosine decay to 10%
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
-        (s + 1) / warmup, 0.1 + 0.45 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps))))
     # Sparse soft targets: the greedy token with weight 1-w, the teacher's top-k with w * p.
     p = topk_lp.exp()
     target_idx = torch.cat([train[:, P:, None], topk_idx], dim=-1)
     target_w = torch.cat([torch.full_like(p[..., :1], 1 - w), w * p], dim=-1)
     entropy_term = w * (p * topk_lp).sum(-1).mean().item()   # the KL's constant part
-    generator, order, losses = torch.Generator().manual_seed(cfg.seed), [], []
-    history = [{"step": 0, "train_loss": None, "agreement": agreement(draft, held, P)}]
-    log(f"[distill] step 0: held-out agreement {history[-1]['agreement']:.3f}")
-    for step in range(1, cfg.steps + 1):
-        if len(order) < cfg.batch_size:
-            order += torch.randperm(len(train), generator=generator).tolist()
-        batch, order = torch.tensor(order[:cfg.batch_size]), order[cfg.batch_size:]
+
+    def batch_loss(batch: torch.Tensor, step: int):
         loss = SoftTargetHead.apply(_hidden(draft, train[batch], P), draft.lm_head.weight,
                                     target_idx[batch].flatten(0, 1),
                                     target_w[batch].flatten(0, 1)) + entropy_term
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            history.append({"step": step, "train_loss": sum(losses) / len(losses),
-                            "agreement": agreement(draft, held, P)})
-            losses = []
-            log(f"[distill] step {step}: train loss {history[-1]['train_loss']:.3f}, held-out "
-                f"agreement {history[-1]['agreement']:.3f} ({time.perf_counter() - start:.0f} s)")
-    return history
+        return loss, len(batch) * (train.shape[1] - P)
+
+    return train_loop(draft, groups, len(train), batch_loss,
+                      lambda: {"agreement": agreement(draft, held, P)},
+                      LoopConfig(cfg.steps, cfg.batch_size, cfg.lr, cfg.eval_every, cfg.seed),
+                      log=lambda m: log(m.replace("[train]", "[distill]")))
 
 
 def distill_draft(llm, out_dir, config: DistillConfig | None = None,
