@@ -64,6 +64,23 @@ def test_fused_steps_give_the_unfused_tokens(preset, quantization):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_int4_projections_of_different_group_sizes_run_fused(tiny_folder, dtype):
+    """A mixed-precision plan (quant/mixed.py) of INT4 groups 32, 128 and 256: one fused step,
+    each projection at its own group size, the unfused engine's tokens."""
+    plan = {"layers.0.mlp.down_proj": "int4-g32", "layers.1.self_attn.qkv_proj": "int4-g256",
+            "layers.1.mlp.gate_up_proj": "int4-g64"}
+    fused, plain = engines(tiny_folder, dtype=dtype, max_model_len=128, max_num_seqs=4,
+                           quantization="mixed", quantization_config={"mixed_plan": plan})
+    groups = {m.group_size for m in fused.engine.model.modules() if hasattr(m, "group_size")}
+    assert {32, 64, 128, 256} <= groups
+    prompts = [[5, 6, 7, 8, 9], list(range(100, 130))]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    calls, steps = same_tokens_as(fused, plain, prompts, params)
+    assert calls == sum(s.num_prefill_tokens == 0 for s in steps) >= 8
+
+
+@needs_kernels
 def test_the_operator_runs_in_decode_only_steps_and_nowhere_else(tiny_folder):
     fused, _ = engines(tiny_folder, max_model_len=64)
     start = len(fused.trace)
@@ -213,17 +230,17 @@ def test_bad_operator_inputs_are_named(tiny_folder):
     far = torch.tensor([m.rotary.cos.shape[0]])
     step = torch.ops.workbench_cpu.decode_step
     with pytest.raises(RuntimeError, match=r"positions\[0\]=\d+ is outside the rotary tables"):
-        step(*args(far, f.in_norms), 0, 0)
+        step(*args(far, f.in_norms), 0)
     with pytest.raises(RuntimeError, match=r"every per-layer list must have 1 tensors"):
-        step(*args(zero, f.in_norms[:1]), 0, 0)
+        step(*args(zero, f.in_norms[:1]), 0)
     with pytest.raises(RuntimeError, match=r"weight_kind=4 is invalid: 0 \(bf16\), 1 \(INT8\), "
                                            r"2 \(INT4\) or 3 \(fp32\)"):
-        step(*args(zero, f.in_norms), 4, 0)
+        step(*args(zero, f.in_norms), 4)
     with pytest.raises(RuntimeError, match=r"weight_kind 3 takes fp32 weights and fp32 x"):
-        step(*args(zero, f.in_norms), 3, 0)     # bf16 weights and x, called fp32
+        step(*args(zero, f.in_norms), 3)     # bf16 weights and x, called fp32
     with pytest.raises(RuntimeError, match=r"qkv must hold 2 tensors per layer for weight_kind 1 "
                                            r"\(4 in all\), got 2"):
-        step(*args(zero, f.in_norms), 1, 0)     # bf16 weights, one per layer, called INT8
+        step(*args(zero, f.in_norms), 1)     # bf16 weights, one per layer, called INT8
 
 
 @needs_kernels

@@ -134,7 +134,7 @@ class EngineConfig:
     swap_space: int | None = None        # bytes of CPU memory for swapped blocks (default: pool size)
     record_block_tables: bool = False    # copy every sequence's block table into each StepRecord
     # Quantization (workbench/quant/).
-    quantization: str | None = None      # None, "int8", "int4", "gptq", "awq", "smoothquant"
+    quantization: str | None = None      # None, "int8", "int4", "gptq", "awq", "smoothquant", "mixed"
     quantization_config: dict | None = None   # QuantConfig fields: group_size, quantize_lm_head...
     kv_cache_dtype: str = "auto"         # "auto" (the model's dtype), "fp8" (e4m3), "int8"
     # Pruning (workbench/compress/), applied before quantization when both are set.
@@ -316,7 +316,7 @@ class EngineConfig:
         elif self.attention_backend != "cpu":
             why_not = (f"it runs the C++ paged attention, and attention_backend="
                        f"{self.attention_backend!r}; use attention_backend='cpu'")
-        elif self.quantization not in (None, "int8", "int4", "gptq", "awq") \
+        elif self.quantization not in (None, "int8", "int4", "gptq", "awq", "mixed") \
                 or self.moe_config is not None:
             why_not = (f"it takes bf16, INT8 or INT4 weight-only layers without experts, and "
                        f"quantization={self.quantization!r}, moe_config={self.moe_config!r}; "

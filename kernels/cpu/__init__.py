@@ -30,8 +30,9 @@ Registered as torch operators:
         the same after writing k, v (seqs, KVH, D) into the caches at slot_mapping (seqs,)
     torch.ops.workbench_cpu.decode_step(x, positions, in_norms, post_norms, qkv, o, gate_up, down,
                                         final_norm, cos, sin, k_caches, v_caches, ...,
-                                        weight_kind, group_size)
-        a whole decode step of a Llama model, every layer in one call (models/fused_decode.py)
+                                        weight_kind)
+        a whole decode step of a Llama model, every layer in one call (models/fused_decode.py);
+        each INT4 projection's group size is its own (Kp over its scale's columns)
 
 x and the result are bf16 or fp32 (the activation dtype); the weights keep their own format.
 The operators have fake (shape-only) implementations, so torch.compile traces through them as

@@ -117,17 +117,17 @@ void check_act(const at::Tensor& t, at::ScalarType dtype, const char* name) {
 
 // One projection list of the step (qkv, o, gate_up or down): per layer, the tensors its layer
 // class holds, flattened. bf16 (kind 0): weight (N, K). INT8 (1): qweight (N, K) int8, scale (N,).
-// INT4 (2): packed (N, Kp / 2), scale, minimum (N, Kp / group_size), and aten's layout of the same
+// INT4 (2): packed (N, Kp / 2), scale, minimum (N, Kp / group), and aten's layout of the same
 // codes (aten_packed, aten_scale_zero) for steps of more than 2 rows; Kp is K padded to whole
 // groups, so x is copied into a zero-padded buffer first (Int4Linear._pad does the same). fp32
 // (3): weight (N, K), for fp32 activations.
 struct Projections {
   at::TensorList t;
-  int64_t kind, group_size, per_layer;
+  int64_t kind, per_layer;
   const char* name;
 
-  Projections(at::TensorList t, int64_t kind, int64_t group_size, int64_t layers, const char* name)
-      : t(t), kind(kind), group_size(group_size), per_layer(kind == 1 ? 2 : kind == 2 ? 5 : 1),
+  Projections(at::TensorList t, int64_t kind, int64_t layers, const char* name)
+      : t(t), kind(kind), per_layer(kind == 1 ? 2 : kind == 2 ? 5 : 1),
         name(name) {
     TORCH_CHECK(static_cast<int64_t>(t.size()) == layers * per_layer, "decode_step: ", name,
                 " must hold ", per_layer, " tensors per layer for weight_kind ", kind, " (",
@@ -162,7 +162,9 @@ struct Projections {
                       static_cast<const char*>(x.data_ptr()) + s * K * bytes, K * bytes);
         in = &padded;
       }
-      linear_int4_into(*in, at(l, 0), at(l, 1), at(l, 2), group_size, at(l, 3), at(l, 4), y);
+      // each projection's own group size (mixed precision gives them different ones)
+      const int64_t group = Kp / at(l, 1).size(1);
+      linear_int4_into(*in, at(l, 0), at(l, 1), at(l, 2), group, at(l, 3), at(l, 4), y);
     }
   }
 };
@@ -267,16 +269,16 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& positions,
                        const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                        const at::Tensor& seq_lens, int64_t block_size, double eps,
                        double scale, int64_t num_heads, int64_t num_kv_heads,
-                       int64_t weight_kind, int64_t group_size) {
+                       int64_t weight_kind) {
   const int64_t L = static_cast<int64_t>(in_norms.size());
   TORCH_CHECK(weight_kind >= 0 && weight_kind <= 3, "decode_step: weight_kind=", weight_kind,
               " is invalid: 0 (bf16), 1 (INT8), 2 (INT4) or 3 (fp32)");
   TORCH_CHECK(post_norms.size() == L && k_caches.size() == L && v_caches.size() == L,
               "decode_step: every per-layer list must have ", L, " tensors");
-  const Projections qkv(qkv_w, weight_kind, group_size, L, "qkv");
-  const Projections o(o_w, weight_kind, group_size, L, "o");
-  const Projections gate_up(gate_up_w, weight_kind, group_size, L, "gate_up");
-  const Projections down(down_w, weight_kind, group_size, L, "down");
+  const Projections qkv(qkv_w, weight_kind, L, "qkv");
+  const Projections o(o_w, weight_kind, L, "o");
+  const Projections gate_up(gate_up_w, weight_kind, L, "gate_up");
+  const Projections down(down_w, weight_kind, L, "down");
   TORCH_CHECK((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
               x.is_contiguous() && x.device().is_cpu(),
               "decode_step: x must be a contiguous bf16 or fp32 CPU tensor, got ", x.scalar_type(),
@@ -305,7 +307,7 @@ TORCH_LIBRARY_FRAGMENT(workbench_cpu, m) {
         "Tensor[] qkv, Tensor[] o, Tensor[] gate_up, Tensor[] down, Tensor final_norm, Tensor cos, "
         "Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, int block_size, float eps, float scale, "
-        "int num_heads, int num_kv_heads, int weight_kind, int group_size) -> Tensor");
+        "int num_heads, int num_kv_heads, int weight_kind) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(workbench_cpu, CPU, m) {

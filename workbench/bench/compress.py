@@ -16,12 +16,14 @@ Mask pruning leaves dense tensors holding zeros, so its speed column shows what 
 of them: nothing. Structured pruning shrinks the matmuls. A variant `<pruned>+<loss>` (such as
 `layers-0.3+kd`) is that pruned model saved, distilled from the dense engine with the loss
 (compress/distill.py, `StudentDistillConfig`'s defaults) and loaded back: the table shows how much
-of what pruning lost the training wins back.
+of what pruning lost the training wins back. `int4` is uniform INT4 (group 128) and `mixed` the
+per-projection plan of quant/mixed.py at the same bytes (`mixed-<bits>`: another budget).
 
     python -m workbench.bench compress [--variants wanda-2:4 layers-0.3 layers-0.3+kd] [--json out.json]
 """
 from __future__ import annotations
 
+import collections
 import statistics
 import sys
 import tempfile
@@ -36,12 +38,14 @@ from ..llm import LLM
 from ..quant.calibration import heldout_windows
 from ..quant.evaluate import compare_many
 from ..quant.gptq import ORDER, get_module
+from ..quant.linear import QuantLinear
 from ..sampling_params import SamplingParams
 from .single_stream import PROMPT
 
 VARIANTS = ("dense", "magnitude-50%", "wanda-50%", "sparsegpt-50%", "magnitude-2:4", "wanda-2:4",
             "sparsegpt-2:4", "channels-0.15", "channels-0.3", "layers-0.15", "layers-0.3",
-            "layers-0.3+kd", "layers-0.3+seqkd", "layers-0.3+reverse_kl", "layers-0.3+gkd")
+            "layers-0.3+kd", "layers-0.3+seqkd", "layers-0.3+reverse_kl", "layers-0.3+gkd",
+            "int4", "mixed")
 NUM_WINDOWS, WINDOW_LEN = 16, 256
 BATCH, BATCH_TOKENS, SINGLE_TOKENS = 16, 64, 128
 
@@ -53,6 +57,14 @@ def parse_variant(spec: str) -> dict:
     from ..compress.losses import LOSSES
     if spec == "dense":
         return {}
+    if spec in ("int4", "mixed") or spec.startswith("mixed-"):
+        method, _, bits = spec.partition("-")
+        try:
+            config = {"budget_bits": float(bits)} if bits else {}
+        except ValueError:
+            raise ValueError(f"variant={spec!r} is invalid: write 'mixed' (the bytes of uniform "
+                             "INT4) or 'mixed-<bits per weight>'") from None
+        return {"quantization": method, **({"quantization_config": config} if config else {})}
     spec, _, loss = spec.partition("+")
     if loss:
         base = parse_variant(spec)
@@ -76,11 +88,17 @@ def parse_variant(spec: str) -> dict:
 
 
 def projection_bytes(llm: LLM, pattern: str) -> dict[str, int]:
-    """Dense and compressed bytes of every decoder projection, summed."""
+    """Dense and compressed bytes of every decoder projection, summed (a quantized projection:
+    its quantized format's bytes in both)."""
     total = {"dense": 0, "compressed": 0}
     for layer in llm.engine.model.layers:
         for path in ORDER:
-            sizes = storage_bytes(get_module(layer, path)[2].weight.detach(), pattern)
+            module = get_module(layer, path)[2]
+            if isinstance(module, QuantLinear):
+                total["dense"] += module.weight_bytes()
+                total["compressed"] += module.weight_bytes()
+                continue
+            sizes = storage_bytes(module.weight.detach(), pattern)
             total["dense"] += sizes["dense"]
             total["compressed"] += min(sizes.values())
     return total
@@ -145,9 +163,12 @@ def run(variants=VARIANTS, num_windows: int = NUM_WINDOWS, window_len: int = WIN
             row.update(ppl=ref.ppl_reference if ref else None, mean_kl=0.0, top1=1.0)
         pattern = specs[name].get("pruning_config", {}).get("pattern", "unstructured")
         row.update(projection_bytes(llm, pattern))
-        zeros = sparsity_report(llm.engine.model)
+        zeros = {"": 0.0} if "quantization" in specs[name] else sparsity_report(llm.engine.model)
         row["zero_fraction"] = statistics.mean(zeros.values())
         row["parameters"] = llm.engine.model.num_parameters()
+        plan = getattr(llm.engine.model, "mixed_plan", None)
+        if plan:        # how many projections took each format
+            row["mixed_formats"] = dict(collections.Counter(plan.values()))
     _progress("timing decode")
     prompt = tok.encode(PROMPT)
     batch = [tok.encode(f"{PROMPT} ({i})") for i in range(BATCH)]

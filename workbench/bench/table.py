@@ -309,29 +309,38 @@ def floor_section(floor: list) -> list[str]:
 
 
 def compress_section(compress: list) -> list[str]:
-    """The newest run per machine kind: one row per variant."""
+    """Per machine kind, each variant's newest measurement (a run may measure a few variants; its
+    speed ratios are against the dense engine of the same run)."""
     lines = ["## Compression", "",
-             "`python -m workbench.bench compress --json F`: pruning variants against the dense "
-             "model on held-out text; projection bytes dense and in the best compressed form for "
-             "their zeros; decode tok/s over the dense engine's at batch 1 and 16 (medians of "
-             "rounds); `+loss`: the pruned model distilled from the dense one with that loss "
-             "(training seconds and steps). Newest run per machine kind.", ""]
-    newest = {}
+             "`python -m workbench.bench compress --json F`: pruning and quantization variants "
+             "against the dense model on held-out text; projection bytes dense and in the best "
+             "compressed form for their zeros; decode tok/s over the same run's dense engine at "
+             "batch 1 and 16 (medians of rounds); `+loss`: the pruned model distilled from the "
+             "dense one with that loss (training seconds and steps). Each variant's newest "
+             "measurement per machine kind.", ""]
+    kinds: dict = {}
     for rel, d in _newest_first(compress):
-        newest.setdefault(machine_kind(d), (rel, d))
-    for kind, (rel, d) in newest.items():
-        lines += [f"[{Path(rel).name}]({rel}), {date_cell(d)}, {machine_cell(d)}, "
-                  f"{d.get('model', '-')} {str(d.get('dtype', '-')).removeprefix('torch.')}, "
-                  f"{d.get('num_windows', '-')} x {d.get('window_len', '-')} held-out tokens, "
-                  f"{d.get('threads', '-')} threads, commit {commit_cell(d)}", ""]
-        rows = [[r.get("variant", "-"), _f(r.get("ppl"), ".1f"), _f(r.get("mean_kl"), ".3f"),
-                 _f(r.get("top1"), ".3f"), _f(r.get("zero_fraction"), ".0%"),
-                 _f((r.get("dense") or 0) / 1e6, ".1f"), _f((r.get("compressed") or 0) / 1e6, ".1f"),
+        rows = kinds.setdefault(machine_kind(d), {})
+        for r in d["rows"]:
+            rows.setdefault(r.get("variant", "-"), (rel, d, r))
+    for kind, by_variant in kinds.items():
+        runs = list(dict.fromkeys(rel for rel, _, _ in by_variant.values()))
+        for i, rel in enumerate(runs):
+            d = next(d for r, d, _ in by_variant.values() if r == rel)
+            lines += [f"run {i + 1}: [{Path(rel).name}]({rel}), {date_cell(d)}, {machine_cell(d)}, "
+                      f"{d.get('model', '-')} {str(d.get('dtype', '-')).removeprefix('torch.')}, "
+                      f"{d.get('num_windows', '-')} x {d.get('window_len', '-')} held-out tokens, "
+                      f"{d.get('threads', '-')} threads, commit {commit_cell(d)}", ""]
+        rows = [[r.get("variant", "-"), str(runs.index(rel) + 1), _f(r.get("ppl"), ".1f"),
+                 _f(r.get("mean_kl"), ".3f"), _f(r.get("top1"), ".3f"),
+                 _f(r.get("zero_fraction"), ".0%"), _f((r.get("dense") or 0) / 1e6, ".1f"),
+                 _f((r.get("compressed") or 0) / 1e6, ".1f"),
                  _f(r.get("speedup_b1"), ".2f"), _f(r.get("speedup_b16"), ".2f"),
                  f"{r['distill_s']:.0f} s, {r['distill_steps']} steps" if r.get("distill_s") else "-"]
-                for r in d["rows"]]
-        lines += _table(["variant", "perplexity", "mean KL", "top-1", "zeros", "projections MB",
-                         "compressed MB", "batch 1 x", "batch 16 x", "distillation"], rows) + [""]
+                for rel, d, r in by_variant.values()]
+        lines += _table(["variant", "run", "perplexity", "mean KL", "top-1", "zeros",
+                         "projections MB", "compressed MB", "batch 1 x", "batch 16 x",
+                         "distillation"], rows) + [""]
     return lines
 
 

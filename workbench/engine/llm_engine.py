@@ -199,8 +199,8 @@ class LLMEngine:
         self.model_args.num_hidden_layers = self.model.args.num_hidden_layers = len(self.model.layers)
 
     def _quantize(self, cfg) -> None:
-        from ..quant.apply import quantize_model
-        calibration = self._calibration("quantization", cfg, ("gptq", "awq", "smoothquant"))
+        from ..quant.apply import CALIBRATED, quantize_model
+        calibration = self._calibration("quantization", cfg, CALIBRATED)
         quantize_model(self.model, cfg, calibration)
         from ..memory import release_memory
         release_memory()        # the full-precision weights the quantized layers replaced

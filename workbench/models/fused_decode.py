@@ -89,7 +89,7 @@ def fused_decode_unsupported(model) -> str | None:
                         "experts")
             if kind == 3 and dtype != torch.float32:
                 return f"layer {i}'s {name} has fp32 weights and the activations are {dtype}"
-            kinds.add((kind, getattr(mod, "group_size", 0)))
+            kinds.add(kind)      # INT4 group sizes may differ: the step reads each one's own
     if len(kinds) > 1:
         return f"its projections mix weight kinds {sorted(kinds)}; the fused step takes one kind"
     if args.head_dim % 16:
@@ -111,7 +111,6 @@ class FusedDecodeForward:
         self.post_norms = [l.post_attention_layernorm.weight for l in layers]
         first = layers[0].self_attn.qkv_proj
         self.weight_kind = k = weight_kind(first)
-        self.group_size = getattr(first, "group_size", 0)
         dt = model.norm.weight.dtype
         self.qkv = [t for l in layers for t in layer_tensors(l.self_attn.qkv_proj, k, dt)]
         self.o = [t for l in layers for t in layer_tensors(l.self_attn.o_proj, k, dt)]
@@ -155,4 +154,4 @@ class FusedDecodeForward:
             x, positions, self.in_norms, self.post_norms, self.qkv, self.o, self.gate_up,
             self.down, m.norm.weight, m.rotary.cos, m.rotary.sin, k_caches, v_caches,
             meta.slot_mapping, block_tables, seq_lens, meta.block_size, self.eps,
-            self.scale, self.num_heads, self.num_kv_heads, self.weight_kind, self.group_size)
+            self.scale, self.num_heads, self.num_kv_heads, self.weight_kind)

@@ -25,7 +25,8 @@ from ..models.llama import LlamaModel
 from .formats import check_group_size, quantize_int4, quantize_int8
 from .linear import Int4Linear, Int8Linear, QuantLinear
 
-METHODS = ("int8", "int4", "gptq", "awq", "smoothquant")
+METHODS = ("int8", "int4", "gptq", "awq", "smoothquant", "mixed")
+CALIBRATED = ("gptq", "awq", "smoothquant", "mixed")
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
@@ -50,6 +51,12 @@ class QuantConfig:
     awq_clip: bool = True              # the paper's weight-clipping search after scaling
     awq_o_proj: bool = True            # scale o_proj too (through the v rows, GQA-shared)
     awq_max_tokens: int = 512          # calibration tokens the alpha search measures on
+    # mixed (quant/mixed.py): bits per projection weight, scales included (None: uniform INT4 at
+    # group_size's bytes); the formats a projection may take; or an explicit plan by name
+    budget_bits: float | None = None
+    mixed_formats: tuple = ("int4-g256", "int4-g128", "int4-g64", "int4-g32", "int8")
+    mixed_plan: dict | None = None
+    mixed_sensitivity_windows: int = 2  # calibration windows the per-projection KLs run on
 
     @classmethod
     def from_args(cls, method: str, options: dict | None) -> "QuantConfig":
@@ -64,8 +71,9 @@ class QuantConfig:
                              f"{sorted(known)}")
         for key, value in options.items():
             check_option(key, value)
-        if "smoothquant_targets" in options:
-            options["smoothquant_targets"] = tuple(options["smoothquant_targets"])
+        for key in ("smoothquant_targets", "mixed_formats"):
+            if key in options:
+                options[key] = tuple(options[key])
         cfg = cls(method=method, **options)
         check_group_size(cfg.group_size)
         return cfg
@@ -76,9 +84,20 @@ TARGET_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 def check_option(key: str, value) -> None:
     """Raise a ValueError naming the option, its value and what is allowed."""
+    from .mixed import FORMATS
     default = QuantConfig.__dataclass_fields__[key].default
     bad = None
-    if isinstance(default, bool):
+    if key == "budget_bits":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 2 < value <= 16:
+            bad = "a number of bits per weight in (2, 16]"
+    elif key in ("mixed_formats", "mixed_plan"):
+        values = list(value.values()) if isinstance(value, dict) else value
+        if isinstance(value, str) or not isinstance(value, (list, tuple, dict)) \
+                or (key == "mixed_plan") != isinstance(value, dict) \
+                or not values or not set(values) <= set(FORMATS):
+            bad = ("a non-empty list of formats" if key == "mixed_formats" else
+                   "a dict of projection name -> format") + f", formats drawn from {list(FORMATS)}"
+    elif isinstance(default, bool):
         if not isinstance(value, bool):
             bad = "a bool"
     elif isinstance(default, int):
@@ -128,6 +147,9 @@ def quantize_model(model: LlamaModel, cfg: QuantConfig, calibration: list[list[i
         # soon as its quantized replacement is in place, not all of them at the end.
         for owner, attr in [(owner, attr) for _, owner, attr, _ in projections(model)]:
             setattr(owner, attr, rtn_layer(getattr(owner, attr), cfg.method, cfg.group_size, dtype))
+    elif cfg.method == "mixed":    # its own errors name a missing calibration
+        from .mixed import quantize_mixed
+        quantize_mixed(model, cfg, calibration)
     else:
         if not calibration:
             raise ValueError(f"quantization={cfg.method!r} needs calibration windows")

@@ -55,7 +55,8 @@ def build_drafter(cfg: SpeculativeConfig, engine):
         else:   # calibrated methods rescale weights and norms in place: the draft needs its own
             model = copy.deepcopy(target)
         calibration = None
-        if qcfg.method in ("gptq", "awq", "smoothquant"):
+        from ..quant.apply import CALIBRATED
+        if qcfg.method in CALIBRATED:
             from ..quant.calibration import calibration_windows
             calibration = calibration_windows(engine.tokenizer, qcfg.num_calibration_windows,
                                               qcfg.calibration_window_len)
