@@ -157,19 +157,32 @@ def test_check_and_docs_block(synthetic_repo, capsys):
     assert table.stale(root) == []
 
 
-def test_a_compress_run_gets_its_own_table(tmp_path):
+def test_compress_runs_merge_into_each_variants_newest_row(tmp_path):
     (tmp_path / "cpu").mkdir()
-    run = {"workload": "compress", "date": "2026-03-01T10:00:00", "model": "m",
-           "dtype": "torch.float32", "num_windows": 2, "window_len": 64, "threads": 2,
-           "rows": [{"variant": "dense", "ppl": None, "mean_kl": 0.0, "top1": 1.0,
-                     "zero_fraction": 0.0, "dense": 2e6, "compressed": 2e6,
-                     "speedup_b1": 1.0, "speedup_b16": 1.0},
-                    {"variant": "wanda-2:4", "ppl": 95.9, "mean_kl": 1.708, "top1": 0.383,
-                     "zero_fraction": 0.5, "dense": 2e6, "compressed": 1.125e6,
-                     "speedup_b1": 1.01, "speedup_b16": 0.99}]}
-    (tmp_path / "cpu" / "compress-x.json").write_text(json.dumps(run))
+    common = {"workload": "compress", "model": "m", "dtype": "torch.float32", "num_windows": 2,
+              "window_len": 64, "threads": 2}
+    dense = {"variant": "dense", "ppl": None, "mean_kl": 0.0, "top1": 1.0, "zero_fraction": 0.0,
+             "dense": 2e6, "compressed": 2e6, "speedup_b1": 1.0, "speedup_b16": 1.0}
+    older = dict(common, date="2026-03-01T10:00:00", rows=[
+        dense, {"variant": "wanda-2:4", "ppl": 95.9, "mean_kl": 1.708, "top1": 0.383,
+                "zero_fraction": 0.5, "dense": 2e6, "compressed": 1.125e6, "speedup_b1": 1.01,
+                "speedup_b16": 0.99},
+        {"variant": "layers-0.3+kd", "ppl": 34.7, "mean_kl": 0.796, "top1": 0.573,
+         "zero_fraction": 0.0, "dense": 1.5e6, "compressed": 1.5e6, "speedup_b1": 1.33,
+         "speedup_b16": 1.34, "distill_s": 299.4, "distill_steps": 60}])
+    newer = dict(common, date="2026-03-02T10:00:00", rows=[
+        dict(dense, speedup_b1=1.0), {"variant": "mixed", "ppl": 24.9, "mean_kl": 0.318,
+                                      "top1": 0.702, "zero_fraction": 0.0, "dense": 6.5e5,
+                                      "compressed": 6.5e5, "speedup_b1": 1.61, "speedup_b16": 0.82}])
+    (tmp_path / "cpu" / "compress-a.json").write_text(json.dumps(older))
+    (tmp_path / "cpu" / "compress-b.json").write_text(json.dumps(newer))
     text = table.render_readme(tmp_path)
-    assert "## Compression" in text and "[compress-x.json](cpu/compress-x.json)" in text
-    assert "| wanda-2:4 | 95.9 | 1.708 | 0.383 | 50% | 2.0 | 1.1 | 1.01 | 0.99 |" in text
-    assert "| dense | - | 0.000 | 1.000 | 0% | 2.0 | 2.0 | 1.00 | 1.00 |" in text
+    assert "## Compression" in text
+    assert "run 1: [compress-b.json](cpu/compress-b.json)" in text
+    assert "run 2: [compress-a.json](cpu/compress-a.json)" in text
+    assert "| dense | 1 | - | 0.000 | 1.000 | 0% | 2.0 | 2.0 | 1.00 | 1.00 | - |" in text
+    assert "| mixed | 1 | 24.9 | 0.318 | 0.702 | 0% | 0.7 | 0.7 | 1.61 | 0.82 | - |" in text
+    assert "| wanda-2:4 | 2 | 95.9 | 1.708 | 0.383 | 50% | 2.0 | 1.1 | 1.01 | 0.99 | - |" in text
+    assert "| layers-0.3+kd | 2 | 34.7 | 0.796 | 0.573 | 0% | 1.5 | 1.5 | 1.33 | 1.34 | 299 s, 60 steps |" in text
+    assert text.count("| dense |") == 1
     assert "Other result files" not in text
