@@ -97,9 +97,11 @@ def test_distillation_resumes_where_it_stopped(smollm2_llm, pruned_student, tmp_
     monkeypatch.setattr(trainer.torch.nn.utils, "clip_grad_norm_", stop_at_step_3)
     with pytest.raises(KeyboardInterrupt):
         distill_student(pruned_student, smollm2_llm, tmp_path / "b", cfg)
+    assert (tmp_path / "b" / "training_state.pt").is_file()
     monkeypatch.setattr(trainer.torch.nn.utils, "clip_grad_norm_", real)
     resumed = distill_student(pruned_student, smollm2_llm, tmp_path / "b", cfg, resume=True)
     assert resumed.history == straight.history
+    assert not (tmp_path / "b" / "training_state.pt").exists()   # done: nothing left to resume
     a, _, _ = load_student(tmp_path / "a")
     b, _, _ = load_student(tmp_path / "b")
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))

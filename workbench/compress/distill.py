@@ -191,7 +191,8 @@ def heldout_metrics(student, held: torch.Tensor, held_lp: torch.Tensor) -> dict:
 def distill_student(student_dir, teacher_llm, out_dir, config: StudentDistillConfig | None = None,
                     resume: bool = False, progress: bool = False) -> DistillRun:
     """Train the student in `student_dir` against `teacher_llm` (see the module docstring) and
-    save it to `out_dir`; with `resume`, continue from `out_dir`'s training checkpoint."""
+    save it to `out_dir`; with `resume`, continue from `out_dir`'s training checkpoint (written
+    every `checkpoint_every` steps, removed once the student is saved)."""
     from .checkpoint import save_student
     from .trainer import LoopConfig, train
     cfg = StudentDistillConfig() if config is None else config
@@ -224,4 +225,6 @@ def distill_student(student_dir, teacher_llm, out_dir, config: StudentDistillCon
               "student": str(student_dir), "history": history}
     save_student(student, manifest, source, out_dir, record)
     (out_dir / "distill.json").write_text(json.dumps(record, indent=1))
+    # the optimizer's state is three times the model's: kept only while a run can still resume
+    (out_dir / "training_state.pt").unlink(missing_ok=True)
     return DistillRun(out_dir, history, time.perf_counter() - start)
