@@ -247,6 +247,9 @@ def test_the_compress_bench_reports_every_column():
         parse_variant("wanda-half")
     assert parse_variant("layers-0.3+gkd") == {"pruning": "layers", "pruning_config": {"ratio": 0.3},
                                                "distill": "gkd"}
+    assert parse_variant("heads-0.25+kd")["pruning"] == "heads"
+    assert parse_variant("smoothquant-static") == {
+        "quantization": "smoothquant", "quantization_config": {"smoothquant_activations": "static"}}
     for bad in ("wanda-2:4+kd", "layers-0.3+mse"):
         with pytest.raises(ValueError, match=re.escape(f"variant={bad!r} is invalid: distil a structured")):
             parse_variant(bad)

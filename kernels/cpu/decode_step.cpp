@@ -2,7 +2,9 @@
 // every layer's norms, projections, rotary, paged attention and SwiGLU, then the final norm. The
 // projections' weights are bf16, INT8 weight-only, group-wise INT4 or fp32 (weight_kind 0, 1, 2,
 // 3; fp32 only with fp32 activations), run by the same GEMV functions the layers' own operators
-// run (gemv.cpp), so a fused step computes what the unfused one does.
+// run (gemv.cpp), so a fused step computes what the unfused one does. Each layer's number of
+// query heads is its own, read from its qkv rows, so a model with heads pruned per layer runs
+// fused too.
 //
 // Why: at batch 1 the compiled forward (models/compile.py) spends ~9 ms of a ~12 ms SmolLM2 step
 // reading the weights in the GEMV loops, which is the part memory bandwidth sets. Most of the rest
@@ -28,6 +30,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "ops.h"
 #include "vec_math.h"
@@ -182,6 +185,13 @@ struct Step {
   int64_t H, KVH;
 };
 
+// The buffers of a step whose size is a layer's number of query heads (run_step below).
+struct HeadBuffers {
+  int64_t heads;
+  at::Tensor qkv_out, q, attn, attn3;    // attn3: attn's memory, (S, heads, D), as the kernel
+                                         // writes it
+};
+
 // The layer loop for activations of type T (bf16 or fp32).
 template <typename T>
 at::Tensor run_step(const Step& st) {
@@ -190,19 +200,44 @@ at::Tensor run_step(const Step& st) {
   const int64_t S = x.size(0), hidden = x.size(1);
   const int64_t D = st.cos.size(1), H = st.H, KVH = st.KVH;
   const int64_t* pos = st.positions.data_ptr<int64_t>();
-  const int64_t q_size = H * D, kv_size = KVH * D;
+  const int64_t kv_size = KVH * D;
   const int64_t I = L > 0 ? st.gate_up.rows(0) / 2 : 0;
 
+  // Each layer's own number of query heads, from its qkv rows ((H_l + 2 KVH) D): structured head
+  // pruning (workbench/compress/structured.py) leaves layers with fewer than H, a multiple of KVH
+  // each, and the kernel's grouped-query mapping (query head i reads kv head i / (H_l / KVH))
+  // holds per layer. The KV heads are every layer's KVH.
+  std::vector<int64_t> heads(L);
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t rows = st.qkv.rows(l), hl = rows / D - 2 * KVH;
+    TORCH_CHECK(rows % D == 0 && hl > 0 && hl % KVH == 0 && hl <= H, "decode_step: qkv[", l,
+                "] has ", rows, " rows, expected (H_l + 2 * ", KVH, ") * ", D, " with H_l a "
+                "multiple of ", KVH, " up to num_heads=", H, " (", (H + 2 * KVH) * D, " unpruned)");
+    heads[l] = hl;
+  }
+
   // Every buffer of the step is allocated once here, not per layer: an allocation is a dispatched
-  // operator call, and the point of this loop is to make none inside it.
+  // operator call, and the point of this loop is to make none inside it. The ones whose size is
+  // the layer's query heads are allocated once per distinct count (one set unless heads were
+  // pruned).
   auto opts = x.options();
   at::Tensor residual = at::empty({S, hidden}, opts);    // the residual stream
   at::Tensor normed = at::empty({S, hidden}, opts);
-  at::Tensor qkv_out = at::empty({S, q_size + 2 * kv_size}, opts);
-  at::Tensor q = at::empty({S, H, D}, opts), k = at::empty({S, KVH, D}, opts);
+  std::vector<HeadBuffers> buffers;
+  std::vector<int64_t> buffer_of(L);
+  for (int64_t l = 0; l < L; ++l) {
+    int64_t b = 0;
+    while (b < static_cast<int64_t>(buffers.size()) && buffers[b].heads != heads[l]) ++b;
+    if (b == static_cast<int64_t>(buffers.size())) {
+      const int64_t hl = heads[l];
+      at::Tensor attn = at::empty({S, hl * D}, opts);
+      buffers.push_back({hl, at::empty({S, (hl + 2 * KVH) * D}, opts), at::empty({S, hl, D}, opts),
+                         attn, attn.view({S, hl, D})});
+    }
+    buffer_of[l] = b;
+  }
+  at::Tensor k = at::empty({S, KVH, D}, opts);
   at::Tensor v = at::empty({S, KVH, D}, opts);
-  at::Tensor attn = at::empty({S, q_size}, opts);
-  at::Tensor attn3 = attn.view({S, H, D});               // the same memory, as the kernel writes it
   at::Tensor gu = at::empty({S, 2 * I}, opts), h = at::empty({S, I}, opts);
   at::Tensor layer_out = at::empty({S, hidden}, opts);   // a layer's output, not yet added
   at::Tensor attn_proj = at::empty({S, hidden}, opts);
@@ -220,23 +255,23 @@ at::Tensor run_step(const Step& st) {
                        nrm + s * hidden, hidden);
   };
   for (int64_t l = 0; l < L; ++l) {
-    TORCH_CHECK(st.qkv.rows(l) == q_size + 2 * kv_size, "decode_step: qkv[", l, "] has ",
-                st.qkv.rows(l), " rows, expected ", q_size + 2 * kv_size);
+    HeadBuffers& hb = buffers[buffer_of[l]];
+    const int64_t hl = heads[l], q_size = hl * D;
     // layer 0 normalizes the embeddings, which start the residual stream; later layers add first
     norm(l == 0 ? x.data_ptr<T>() : layer_out.data_ptr<T>(), st.in_norms[l], l > 0);
-    st.qkv.run(l, normed, qkv_out, padded);
-    const T* qp = qkv_out.data_ptr<T>();
+    st.qkv.run(l, normed, hb.qkv_out, padded);
+    const T* qp = hb.qkv_out.data_ptr<T>();
     for (int64_t s = 0; s < S; ++s) {
       const T* row = qp + s * (q_size + 2 * kv_size);
       const float *c = cp + pos[s] * D, *sn = sp + pos[s] * D;
-      rotary_row(row, q.data_ptr<T>() + s * q_size, H, D, c, sn);
+      rotary_row(row, hb.q.data_ptr<T>() + s * q_size, hl, D, c, sn);
       rotary_row(row + q_size, k.data_ptr<T>() + s * kv_size, KVH, D, c, sn);
       std::memcpy(v.data_ptr<T>() + s * kv_size, row + q_size + kv_size, kv_size * sizeof(T));
     }
     at::Tensor kc = st.k_caches[l], vc = st.v_caches[l];
-    paged_decode_write_into(q, k, v, kc, vc, st.slot_mapping, st.block_tables, st.seq_lens,
-                            st.block_size, st.scale, attn3);
-    st.o.run(l, attn, attn_proj, padded);
+    paged_decode_write_into(hb.q, k, v, kc, vc, st.slot_mapping, st.block_tables, st.seq_lens,
+                            st.block_size, st.scale, hb.attn3);
+    st.o.run(l, hb.attn, attn_proj, padded);
     norm(attn_proj.data_ptr<T>(), st.post_norms[l], true);
     st.gate_up.run(l, normed, gu, padded);         // (S, 2 I): gate, then up
     for (int64_t s = 0; s < S; ++s)
@@ -258,7 +293,8 @@ at::Tensor run_step(const Step& st) {
 
 // x: (S, hidden) embeddings of the step's tokens, one decoding token per sequence, bf16 or fp32
 // (the activation dtype: the norms and caches have it too); positions (S,). Per layer l:
-// in_norms[l], post_norms[l] (hidden,); the weights of qkv ((H + 2 KVH) D rows), o (hidden rows),
+// in_norms[l], post_norms[l] (hidden,); the weights of qkv ((H_l + 2 KVH) D rows: H_l, the
+// layer's query heads, a multiple of KVH up to num_heads), o (hidden rows),
 // gate_up (2 I rows), down (hidden rows), as Projections says; caches (slots, KVH, D). cos, sin:
 // fp32 (max_positions, D). Returns the final norm of the last residual stream, (S, hidden).
 at::Tensor decode_step(const at::Tensor& x, const at::Tensor& positions,

@@ -1,7 +1,7 @@
 """The compression table: every pruning variant against the dense model, quality, bytes and speed.
 
 For each variant (dense; magnitude, Wanda and SparseGPT at 50% unstructured and at 2:4; MLP
-channels and whole layers removed at two ratios), built in one process from the same checkpoint
+channels, whole layers and attention heads removed at two ratios), built in one process from the same checkpoint
 with the default dtype (`LLM()`'s):
 
 - quality on held-out CPython documentation against the dense engine: perplexity, mean KL(dense ||
@@ -17,7 +17,9 @@ of them: nothing. Structured pruning shrinks the matmuls. A variant `<pruned>+<l
 `layers-0.3+kd`) is that pruned model saved, distilled from the dense engine with the loss
 (compress/distill.py, `StudentDistillConfig`'s defaults) and loaded back: the table shows how much
 of what pruning lost the training wins back. `int4` is uniform INT4 (group 128) and `mixed` the
-per-projection plan of quant/mixed.py at the same bytes (`mixed-<bits>`: another budget).
+per-projection plan of quant/mixed.py at the same bytes (`mixed-<bits>`: another budget);
+`smoothquant` is W8A8 with per-token activation scales, `smoothquant-static` with one calibrated
+scale per projection input.
 
     python -m workbench.bench compress [--variants wanda-2:4 layers-0.3 layers-0.3+kd] [--json out.json]
 """
@@ -33,6 +35,7 @@ from pathlib import Path
 import torch
 
 from ..compress.distill import StudentDistillConfig, distill_student
+from ..compress import structured
 from ..compress.pruning import sparsity_report, storage_bytes
 from ..llm import LLM
 from ..quant.calibration import heldout_windows
@@ -44,8 +47,9 @@ from .single_stream import PROMPT
 
 VARIANTS = ("dense", "magnitude-50%", "wanda-50%", "sparsegpt-50%", "magnitude-2:4", "wanda-2:4",
             "sparsegpt-2:4", "channels-0.15", "channels-0.3", "layers-0.15", "layers-0.3",
-            "layers-0.3+kd", "layers-0.3+seqkd", "layers-0.3+reverse_kl", "layers-0.3+gkd",
-            "int4", "mixed")
+            "heads-0.25", "heads-0.5", "layers-0.3+kd", "layers-0.3+seqkd", "layers-0.3+reverse_kl",
+            "layers-0.3+gkd", "channels-0.3+kd", "heads-0.25+kd", "int4", "mixed", "smoothquant",
+            "smoothquant-static")
 NUM_WINDOWS, WINDOW_LEN = 16, 256
 BATCH, BATCH_TOKENS, SINGLE_TOKENS = 16, 64, 128
 
@@ -57,6 +61,10 @@ def parse_variant(spec: str) -> dict:
     from ..compress.losses import LOSSES
     if spec == "dense":
         return {}
+    if spec in ("smoothquant", "smoothquant-static"):    # W8A8, per-token or static scales
+        mode = "static" if spec.endswith("static") else "dynamic"
+        return {"quantization": "smoothquant",
+                "quantization_config": {"smoothquant_activations": mode}}
     if spec in ("int4", "mixed") or spec.startswith("mixed-"):
         method, _, bits = spec.partition("-")
         try:
@@ -68,9 +76,9 @@ def parse_variant(spec: str) -> dict:
     spec, _, loss = spec.partition("+")
     if loss:
         base = parse_variant(spec)
-        if loss not in LOSSES or base.get("pruning") not in ("channels", "layers"):
+        if loss not in LOSSES or base.get("pruning") not in structured.STRUCTURED:
             raise ValueError(f"variant={spec + '+' + loss!r} is invalid: distil a structured "
-                             f"variant ('channels-<ratio>' or 'layers-<ratio>') with one of "
+                             f"variant ('<{'|'.join(structured.STRUCTURED)}>-<ratio>') with one of "
                              f"{', '.join(LOSSES)}")
         return {**base, "distill": loss}
     method, _, amount = spec.partition("-")
@@ -83,7 +91,7 @@ def parse_variant(spec: str) -> dict:
             options = {"ratio": float(amount)}
         except ValueError:
             raise ValueError(f"variant={spec!r} is invalid: write 'dense', '<method>-N:M', "
-                             "'<method>-<percent>%' or '<channels|layers>-<ratio>'") from None
+                             "'<method>-<percent>%' or '<channels|layers|heads>-<ratio>'") from None
     return {"pruning": method, "pruning_config": options}
 
 

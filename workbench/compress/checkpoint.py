@@ -5,13 +5,17 @@ A pruned checkpoint is a folder that `LLM(model=folder)` loads like any other:
     config.json           the source's, with num_hidden_layers set to the layers kept
     generation_config.json, tokenizer files      copied from the source checkpoint
     model.safetensors     the engine's own state dict (fused qkv_proj and gate_up_proj names),
-                          masked weights holding their zeros, removed channels and layers absent
+                          masked weights holding their zeros, removed channels, heads and layers
+                          absent
     pruning.json          {"format": "workbench-pruned", "version": 1, "method": ..., "config":
                            {PruneConfig's options}, "intermediate_sizes": [one per layer kept],
-                           and for a distilled student "distillation": {loss, config, teacher}}
+                           "num_attention_heads": [query heads, one per layer kept], and for a
+                           distilled student "distillation": {loss, config, teacher}}
 
-Each layer's MLP width comes from the manifest, so channel pruning's per-layer widths survive;
-transformers' LlamaConfig has one width for all layers, so this is a format for this engine, as
+Each layer's MLP width and number of query heads come from the manifest, so channel and head
+pruning's per-layer shapes survive (config.json keeps the unpruned num_attention_heads and
+intermediate_size; a manifest without "num_attention_heads" means every layer has those);
+transformers' LlamaConfig has one of each for all layers, so this is a format for this engine, as
 the quantized one is. Quantizing composes on load: `LLM(model=folder, quantization="int4")`.
 """
 from __future__ import annotations
@@ -23,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..models.llama import LlamaModel, MLP
+from ..models.llama import MLP, Attention, LlamaModel
 from ..quant.linear import QuantLinear
 
 MANIFEST = "pruning.json"
@@ -68,7 +72,8 @@ def _write(model: LlamaModel, source: Path, target: Path, manifest: dict) -> Pat
         state.pop("lm_head.weight", None)          # tied: stored once, as the embedding
     save_file(state, str(target / "model.safetensors"))
     manifest = {"format": "workbench-pruned", "version": 1, **manifest,
-                "intermediate_sizes": [layer.mlp.down_proj.in_features for layer in model.layers]}
+                "intermediate_sizes": [layer.mlp.down_proj.in_features for layer in model.layers],
+                "num_attention_heads": [layer.self_attn.num_heads for layer in model.layers]}
     (target / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return target
 
@@ -88,11 +93,17 @@ def load_pruned(folder: Path, dtype: torch.dtype, device: torch.device,
     if len(widths) != args.num_hidden_layers:
         raise ValueError(f"{folder}: {MANIFEST} lists {len(widths)} layers' widths, config.json "
                          f"has num_hidden_layers={args.num_hidden_layers}")
+    heads = manifest.get("num_attention_heads", [args.num_attention_heads] * len(widths))
+    if len(heads) != args.num_hidden_layers:
+        raise ValueError(f"{folder}: {MANIFEST} lists {len(heads)} layers' query heads, "
+                         f"config.json has num_hidden_layers={args.num_hidden_layers}")
     with torch.device("meta"):
         model = LlamaModel(args, max_positions)
-        for layer, width in zip(model.layers, widths):
+        for layer, width, count in zip(model.layers, widths, heads):
             if width != args.intermediate_size:
                 layer.mlp = MLP(args.__class__(**{**vars(args), "intermediate_size": width}))
+            if count != args.num_attention_heads:
+                layer.self_attn = Attention(args, num_heads=count)
     model.to_empty(device=device)
     model.to(dtype)
     if args.tie_word_embeddings:

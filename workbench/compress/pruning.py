@@ -1,5 +1,5 @@
 """Pruning: zero a fraction of every decoder projection's weights, chosen by a score, in a pattern
-(the structured methods, which remove layers or channels, are in structured.py).
+(the structured methods, which remove layers, MLP channels or query heads, are in structured.py).
 
     model (nn.Linear projections, dense)
       -> [calibration windows -> each layer's inputs, layer by layer]      wanda, sparsegpt
@@ -41,8 +41,8 @@ from ..models.llama import LlamaModel
 from ..quant.gptq import (ORDER, LayerwiseRunner, damped_hessian, get_module, hessian_accumulator,
                           single_thread, upper_inverse_factor)
 
-METHODS = ("magnitude", "wanda", "sparsegpt", "channels", "layers")   # the last two: structured.py
-CALIBRATED = ("wanda", "sparsegpt", "channels", "layers")
+METHODS = ("magnitude", "wanda", "sparsegpt", "channels", "layers", "heads")  # last 3: structured
+CALIBRATED = ("wanda", "sparsegpt", "channels", "layers", "heads")
 MASKED = ("magnitude", "wanda", "sparsegpt")
 
 
@@ -56,7 +56,7 @@ class PruneConfig:
     calibration_window_len: int = 256
     sparsegpt_block_size: int = 128     # columns whose mask is chosen together
     sparsegpt_percdamp: float = 0.01    # damping added to H's diagonal, times its mean
-    ratio: float = 0.25                 # channels, layers: the fraction of them removed
+    ratio: float = 0.25                 # channels, layers, heads: the fraction of them removed
 
     @property
     def n_m(self) -> tuple[int, int] | None:
@@ -87,7 +87,7 @@ class PruneConfig:
         ratio = options.get("ratio", 0.25)
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
             raise ValueError(f"pruning_config['ratio']={ratio!r} is invalid: it must be a number "
-                             "in [0, 1), the fraction of layers or channels removed")
+                             "in [0, 1), the fraction of layers, channels or query heads removed")
         pattern = options.get("pattern", "unstructured")
         match = re.fullmatch(r"(\d+):(\d+)", pattern) if isinstance(pattern, str) else None
         if pattern != "unstructured" and not (match and 0 < int(match[1]) < int(match[2]) <= 64):
@@ -215,8 +215,8 @@ def _set(linear: nn.Linear, weight: torch.Tensor) -> None:
 def prune_model(model: LlamaModel, cfg: PruneConfig,
                 calibration: list[list[int]] | None = None) -> None:
     """Prune every decoder projection of `model` in place by cfg.method (the LM head and the
-    embedding are kept: the papers prune the decoder's linear layers); channels and layers go to
-    structured.py."""
+    embedding are kept: the papers prune the decoder's linear layers); channels, layers and heads
+    go to structured.py."""
     if cfg.method not in MASKED:
         from .structured import prune_structured
         prune_structured(model, cfg.method, cfg.ratio, calibration)

@@ -65,6 +65,11 @@ class LLMEngine:
         self.executor = None                         # the workers of a parallel engine
         self.model = self.cache = self.runner = None
         if config.world_size > 1:
+            if is_pruned_checkpoint(self.checkpoint):
+                # The workers load transformers-shaped layers (models/loader.py), one width and
+                # one head count for all; a pruned folder's per-layer shapes need load_pruned.
+                raise ValueError(f"model={config.model!r} is a pruned checkpoint, and the "
+                                 "parallel engine loads unpruned ones: use one process")
             from ..parallel import start_workers
             self.executor = start_workers(config, self.checkpoint, self.model_args)
         else:
@@ -200,6 +205,14 @@ class LLMEngine:
 
     def _quantize(self, cfg) -> None:
         from ..quant.apply import CALIBRATED, quantize_model
+        heads = self.model.args.num_attention_heads
+        if cfg.method in ("awq", "smoothquant") and any(
+                layer.self_attn.num_heads != heads for layer in self.model.layers):
+            # Their o_proj scales and v rows are laid out by the config's one head count
+            # (quant/smoothquant.py gqa_shared, fold_scales; quant/awq.py).
+            raise ValueError(f"quantization={cfg.method!r} is invalid for a model with query "
+                             "heads pruned: it places o_proj's scales by one head count for all "
+                             "layers; use 'int8', 'int4', 'gptq' or 'mixed'")
         calibration = self._calibration("quantization", cfg, CALIBRATED)
         quantize_model(self.model, cfg, calibration)
         from ..memory import release_memory

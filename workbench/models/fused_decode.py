@@ -11,7 +11,8 @@ Data flow of a step the engine runs with `fused_decode=True`:
         -> torch.ops.workbench_cpu.decode_step: for each layer, in C++,
            add + RMSNorm -> QKV GEMV -> rotary -> write K/V + paged attention -> O GEMV
            -> add + RMSNorm -> gate/up GEMV -> SiLU x up -> down GEMV;   then the final norm
-           (the GEMVs are the layers' own: bf16, INT8, INT4 or fp32 weights, gemv.cpp)
+           (the GEMVs are the layers' own: bf16, INT8, INT4 or fp32 weights, gemv.cpp; each
+           layer's own number of query heads, so head-pruned models run fused too)
       anything else (prefills, long chunks, the layer-skip drafter): the inner forward, eager or
       compiled, unchanged
     -> hidden states -> the LM head (its own GEMV layer) -> logits, as before
@@ -117,7 +118,10 @@ class FusedDecodeForward:
         self.gate_up = [t for l in layers for t in layer_tensors(l.mlp.gate_up_proj, k, dt)]
         self.down = [t for l in layers for t in layer_tensors(l.mlp.down_proj, k, dt)]
         attn = layers[0].self_attn
-        self.num_heads, self.num_kv_heads, self.scale = attn.num_heads, attn.num_kv_heads, attn.scale
+        # The most query heads any layer has: the step reads each layer's own count from its qkv
+        # rows (head-pruned layers have fewer, decode_step.cpp); the KV heads are all layers'.
+        self.num_heads = max(l.self_attn.num_heads for l in layers)
+        self.num_kv_heads, self.scale = attn.num_kv_heads, attn.scale
         self.eps = model.norm.eps
         if any(l.input_layernorm.eps != self.eps or l.post_attention_layernorm.eps != self.eps
                for l in layers):

@@ -137,11 +137,21 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    """The attention projections and sizes; DecoderLayer runs them around the backend's call."""
+    """The attention projections and sizes; DecoderLayer runs them around the backend's call.
 
-    def __init__(self, args: LlamaArgs):
+    num_heads: this layer's query heads, when they are fewer than args.num_attention_heads
+    (structured head pruning, compress/structured.py, removes the same number from every KV
+    group, so they stay a multiple of num_kv_heads and query head i reads KV head
+    i // (num_heads // num_kv_heads)). Everything that runs attention reads the layer's own
+    `num_heads` / `q_size`, never the args'; the KV heads, and so the cache, are the args'."""
+
+    def __init__(self, args: LlamaArgs, num_heads: int | None = None):
         super().__init__()
-        self.num_heads, self.num_kv_heads = args.num_attention_heads, args.num_key_value_heads
+        heads = args.num_attention_heads if num_heads is None else num_heads
+        if heads < 1 or heads % args.num_key_value_heads:
+            raise ValueError(f"num_heads={heads} is invalid: it must be a positive multiple of "
+                             f"num_key_value_heads={args.num_key_value_heads}")
+        self.num_heads, self.num_kv_heads = heads, args.num_key_value_heads
         self.head_dim = args.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim

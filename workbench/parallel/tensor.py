@@ -91,10 +91,16 @@ def shard_model(model, rank: int, size: int, comm: Comm) -> None:
 def shard_layer(layer, args, rank: int, size: int, comm: Comm) -> None:
     """One decoder layer: column-parallel qkv and gate/up, row-parallel o_proj and down_proj.
     Also usable while loading (models/loader.py's on_layer), one layer at a time."""
-    heads, kv_heads = args.num_attention_heads // size, args.num_key_value_heads // size
+    attn = layer.self_attn
+    # The layer's own query heads (a head-pruned layer has fewer than args.num_attention_heads);
+    # rank r's consecutive query heads then read its consecutive KV heads in every layer.
+    if attn.num_heads % size or attn.num_kv_heads % size:
+        raise ValueError(f"tensor_parallel_size={size} is invalid for this model: a layer has "
+                         f"{attn.num_heads} query and {attn.num_kv_heads} KV heads, which do not "
+                         f"split over {size} ranks")
+    heads, kv_heads = attn.num_heads // size, attn.num_kv_heads // size
     d = args.head_dim
     inter = args.intermediate_size // size
-    attn = layer.self_attn
     w = attn.qkv_proj.weight.data
     q, k, v = w.split([attn.q_size, attn.kv_size, attn.kv_size])
     qkv = torch.cat([_rows(q, rank * heads * d, heads * d), _rows(k, rank * kv_heads * d,

@@ -4,8 +4,9 @@ A quantized checkpoint is a folder that `LLM(model=folder)` loads like any other
 
     config.json, generation_config.json, tokenizer files   copied from the source checkpoint
     model.safetensors     the engine's own state dict: fused projections, quantized buffers
-                          (qweight + scale, packed + scale + minimum, qweight_t + scale), norm
-                          weights with any smoothing already folded in
+                          (qweight + scale, packed + scale + minimum, qweight_t + scale, and
+                          SmoothQuant's static activation scale input_scale, an fp32 scalar,
+                          where calibrated), norm weights with any smoothing already folded in
     quantization.json     {"format": "workbench-quant", "version": 1, "method": ..., "group_size":
                            ..., "dtype": ..., "layers": {module name: {"kind": "int8" | "int4" |
                            "w8a8", "in_features": K}}}
@@ -104,9 +105,9 @@ def _build_layer(spec: dict, name: str, state: dict, dtype: torch.dtype) -> Quan
         return Int8Linear(Int8Weight(state[f"{name}.qweight"], state[f"{name}.scale"].float()),
                           dtype)
     if kind == "w8a8":
-        layer = W8A8Linear(Int8Weight(state[f"{name}.qweight_t"].t(), state[f"{name}.scale"]),
-                           dtype)
-        return layer
+        # input_scale is saved only by static SmoothQuant; without it the layer is dynamic
+        return W8A8Linear(Int8Weight(state[f"{name}.qweight_t"].t(), state[f"{name}.scale"]),
+                          dtype, state.get(f"{name}.input_scale"))
     scale = state[f"{name}.scale"].float()
     packed = state[f"{name}.packed"]
     group = packed.shape[1] * 2 // scale.shape[1]

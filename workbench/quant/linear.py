@@ -2,8 +2,9 @@
 
 - Int8Linear: INT8 weights per output channel, activations in the model's dtype.
 - Int4Linear: INT4 group-wise weights (RTN, GPTQ and AWQ all produce this format).
-- W8A8Linear: SmoothQuant's INT8 weights *and* INT8 activations (per-token scales, computed on
-  the fly), multiplied in integers with int32 accumulation.
+- W8A8Linear: SmoothQuant's INT8 weights *and* INT8 activations (per-token scales computed on
+  the fly, or one calibrated static scale per layer), multiplied in integers with int32
+  accumulation.
 
 `impl` picks the arithmetic:
 - "reference": dequantize the weight to the activation dtype, then F.linear. The specification.
@@ -125,15 +126,27 @@ def quantize_activations_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return torch.round(x.float() / scale).clamp(-127, 127).to(torch.int8), scale
 
 
+def quantize_activations_int8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Per-tensor symmetric INT8 with a calibrated fp32 scale: values beyond the calibration
+    range saturate at +-127."""
+    return torch.round(x.float() / scale).clamp(-127, 127).to(torch.int8)
+
+
 class W8A8Linear(QuantLinear):
     """y = (x_q @ w_q^T) * x_scale * w_scale, integer products accumulated in int32. The input
-    is expected already smoothed (divided by the migration factors folded into the previous op)."""
+    is expected already smoothed (divided by the migration factors folded into the previous op).
+    x_scale is per token, found at run time, unless `input_scale` (an fp32 scalar, calibrated
+    once: SmoothQuant's static O1-O3 settings) is given; then every token uses it."""
 
-    def __init__(self, weight: Int8Weight, dtype: torch.dtype):
+    def __init__(self, weight: Int8Weight, dtype: torch.dtype,
+                 input_scale: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.qweight.shape
         self.register_buffer("qweight_t", weight.qweight.t().contiguous())   # (K, N) for _int_mm
         self.register_buffer("scale", weight.scale.float())
+        # A None buffer stays out of the state dict: dynamic checkpoints keep their keys.
+        self.register_buffer("input_scale", None if input_scale is None
+                             else input_scale.detach().float().reshape(()).clone())
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return (self.qweight_t.t().float() * self.scale[:, None]).to(dtype)
@@ -148,7 +161,12 @@ class W8A8Linear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        xq, xs = quantize_activations_int8(x.reshape(-1, self.in_features))
+        x2 = x.reshape(-1, self.in_features)
+        if self.input_scale is None:
+            xq, xs = quantize_activations_int8(x2)
+        else:
+            xs = self.input_scale
+            xq = quantize_activations_int8_static(x2, xs)
         out = (self.integer_products(xq) * xs * self.scale[None, :]).to(x.dtype)
         return out.view(*shape[:-1], self.out_features)
 
