@@ -37,9 +37,9 @@ W8A8Linear one fp32 `input_scale` = max / 127, used for every token (values beyo
 +-127). A step then skips the per-token max, but one scale must cover every token: on SmolLM2 the
 maxima at down_proj of layers 11 and 28 (139 and 118; most projections' are 1-10) are
 massive activations, which leave the other tokens few INT8 levels. Measured with
-`python -m workbench.quant.smoothquant` (the engine's defaults: fp32 activations, 32 x 256
-calibration tokens, INT8 LM head; 16 x 256 held-out tokens; batch-1 decode of 128 tokens, median
-of 3 rounds, 2-core AVX2 EPYC):
+`python -m workbench.bench compress --variants smoothquant smoothquant-static` (the engine's
+defaults: fp32 activations, 32 x 256 calibration tokens, INT8 LM head; 16 x 256 held-out tokens;
+batch-1 decode of 128 tokens, median of 3 rounds, 2-core AVX2 EPYC; results/README.md):
 
     variant                  ppl   mean KL  top-1  decode tok/s
     unquantized            17.82   0       1       61.9  (1.00x: bf16-stored weights, fused step)
@@ -251,44 +251,3 @@ def quantize_smoothquant(model: LlamaModel, cfg, calibration: list[list[int]]) -
                 path = ("self_attn." if target in ("qkv_proj", "o_proj") else "mlp.") + target
                 scales[target] = (amax[f"layers.{i}.{path}"] / 127).clamp(min=1e-8)
             install_w8a8(layer, weights, dtype, scales)
-
-
-def compare_activation_modes(model: str = "smollm2-135m", num_windows: int = 16,
-                             window_len: int = 256, new_tokens: int = 128, rounds: int = 3) -> str:
-    """The table of the module docstring: the unquantized engine, dynamic and static SmoothQuant
-    (engine defaults otherwise), quality on held-out text and batch-1 decode speed."""
-    import statistics
-
-    from ..bench.compress import decode_tok_s
-    from ..bench.single_stream import PROMPT
-    from ..llm import LLM
-    from .calibration import heldout_windows
-    from .evaluate import compare_many
-
-    args = dict(device="cpu", verbose=False, max_model_len=512, max_num_batched_tokens=512)
-    engines = {"unquantized": LLM(model, **args)}
-    for mode in ("dynamic", "static"):
-        engines[mode] = LLM(model, quantization="smoothquant",
-                            quantization_config={"smoothquant_activations": mode}, **args)
-    dense = engines["unquantized"]
-    tok = dense.get_tokenizer()
-    quality = compare_many(dense, {m: engines[m] for m in ("dynamic", "static")},
-                           heldout_windows(tok, num_windows, window_len))
-    prompt = tok.encode(PROMPT)
-    speed = {name: [] for name in engines}
-    for r in range(rounds):      # engines in turn, the order reversed every other round
-        for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
-            speed[name].append(decode_tok_s(engines[name], [prompt], new_tokens))
-    lines = [f"{'variant':12} {'ppl':>7} {'mean KL':>8} {'top-1':>6} {'tok/s':>7} {'x':>5}"]
-    for name in engines:
-        q = quality.get(name)
-        ppl = q.ppl_candidate if q else next(iter(quality.values())).ppl_reference
-        ratio = statistics.median(v / d for v, d in zip(speed[name], speed["unquantized"]))
-        lines.append(f"{name:12} {ppl:7.2f} {q.mean_kl if q else 0:8.4f} "
-                     f"{q.top1_agreement if q else 1:6.3f} {statistics.median(speed[name]):7.1f} "
-                     f"{ratio:5.2f}")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    print(compare_activation_modes())
