@@ -341,9 +341,11 @@ def test_a_saved_head_pruned_model_loads_back_and_quantizes(tmp_path):
         both = LLM(model=folder, dtype="float32", verbose=False, quantization=method)
         assert both.engine.quantization == method and head_counts(both.engine.model) == counts
         assert len(both.generate([prompt], sp)[0].outputs[0].token_ids) == 6
-    with pytest.raises(ValueError, match="quantization='awq' is invalid for a model with query "
-                                         "heads pruned"):
-        LLM(model=folder, verbose=False, quantization="awq")
+    for method in ("awq", "smoothquant"):      # scales folded with each layer's head count
+        both = LLM(model=folder, dtype="float32", verbose=False, quantization=method,
+                   quantization_config={"num_calibration_windows": 2,
+                                        "calibration_window_len": 32})
+        assert len(both.generate([prompt], sp)[0].outputs[0].token_ids) == 6
     with pytest.raises(ValueError, match="is a pruned checkpoint, and the parallel engine"):
         LLM(model=folder, verbose=False, tensor_parallel_size=2)
 

@@ -250,6 +250,10 @@ def test_the_compress_bench_reports_every_column():
     assert parse_variant("heads-0.25+kd")["pruning"] == "heads"
     assert parse_variant("smoothquant-static") == {
         "quantization": "smoothquant", "quantization_config": {"smoothquant_activations": "static"}}
+    assert parse_variant("sparsegpt-2:4-gptq") == {
+        "pruning": "sparsegpt", "pruning_config": {"pattern": "2:4"}, "quantization": "gptq"}
+    with pytest.raises(ValueError, match="'-gptq' follows a mask variant"):
+        parse_variant("layers-0.3-gptq")
     for bad in ("wanda-2:4+kd", "layers-0.3+mse"):
         with pytest.raises(ValueError, match=re.escape(f"variant={bad!r} is invalid: distil a structured")):
             parse_variant(bad)

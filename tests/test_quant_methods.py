@@ -151,11 +151,22 @@ def test_layerwise_runner_matches_the_model(fp32_model, short_windows):
         torch.testing.assert_close(hidden, expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["random", "smoothquant"])
-def test_folding_keeps_the_function(fp32_model, short_windows, kind):
+@pytest.mark.parametrize("kind, pruned", [("random", None), ("smoothquant", None),
+                                          ("random", "channels"), ("smoothquant", "heads")])
+def test_folding_keeps_the_function(fp32_model, short_windows, kind, pruned):
     """Scales folded into the previous ops (norms, v rows, up rows), weights left in float: the
-    model computes the same logits, for random scales (AWQ's are such) and SmoothQuant's."""
+    model computes the same logits, for random scales (AWQ's are such) and SmoothQuant's, also
+    when MLP channels or query heads were pruned first (each layer's own width and head count)."""
     model = copy.deepcopy(fp32_model)
+    if pruned:
+        from workbench.compress.structured import prune_structured
+        prune_structured(model, pruned, 0.3, short_windows)
+        a = model.args            # the config keeps the unpruned sizes; the layers do not
+        if pruned == "channels":
+            assert all(l.mlp.down_proj.in_features < a.intermediate_size for l in model.layers)
+        else:
+            assert any(l.self_attn.num_heads < a.num_attention_heads for l in model.layers)
+        fp32_model = copy.deepcopy(model)          # the pruned model is the reference
     args = model.args
     stats = collect_input_stats(model, short_windows) if kind == "smoothquant" else None
     g = torch.Generator().manual_seed(0)

@@ -204,13 +204,16 @@ def test_static_scale_is_the_smoothed_input_max(reference):
             assert scale.dtype == torch.float32 and scale.dim() == 0
             assert torch.equal(scale, seen[name] / 127), name
             raw_over_s = (raw[name] / factors[name]).max().item()
-            # 1e-2: a bf16 model rounds the divided norm weights (an fp32 one agrees to rounding)
-            assert scale.item() == pytest.approx(raw_over_s / 127, rel=1e-2), name
+            # A bf16 model rounds every smoothed weight, and the roundings of the layers before
+            # reach this input through attention and the MLPs: a few percent by layer 5
+            # (measured up to 1.9%); an fp32 model agrees to 1e-3.
+            rel = 1e-3 if dtype == torch.float32 else 5e-2
+            assert scale.item() == pytest.approx(raw_over_s / 127, rel=rel), name
     # Layer 0's qkv_proj input (input_layernorm of the embeddings) comes before any quantized
     # layer: hooked on the quantized model itself it gives the scale exactly.
     first = quantized.layers[0].self_attn.qkv_proj
     got = []
-    h = first.register_forward_pre_hook(lambda m, inp: got.append(inp[0].abs().max()))
+    h = first.register_forward_pre_hook(lambda m, inp: got.append(inp[0].abs().max().float()))
     for window in windows:
         prefill_logprobs(quantized, window)
     h.remove()

@@ -19,13 +19,18 @@ of them: nothing. Structured pruning shrinks the matmuls. A variant `<pruned>+<l
 of what pruning lost the training wins back. `int4` is uniform INT4 (group 128) and `mixed` the
 per-projection plan of quant/mixed.py at the same bytes (`mixed-<bits>`: another budget);
 `smoothquant` is W8A8 with per-token activation scales, `smoothquant-static` with one calibrated
-scale per projection input.
+scale per projection input. `gptq` is GPTQ INT4 alone, and `<mask variant>-gptq` that pruned
+model quantized by GPTQ: one joint column loop for SparseGPT (its zeros stay), GPTQ after the
+mask for the others (its compensation fills the zeros in). With `--device cuda`, `<method>-2:4-semi` runs the 2:4 weights as
+semi-structured sparse tensors on sparse tensor cores (compress/semi_structured.py), the speed
+column against dense bf16 on the same GPU; on a CPU those variants are refused.
 
     python -m workbench.bench compress [--variants wanda-2:4 layers-0.3 layers-0.3+kd] [--json out.json]
 """
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 import sys
 import tempfile
@@ -36,20 +41,21 @@ import torch
 
 from ..compress.distill import StudentDistillConfig, distill_student
 from ..compress import structured
-from ..compress.pruning import sparsity_report, storage_bytes
+from ..compress.pruning import MASKED as MASK_METHODS, sparsity_report, storage_bytes
+from ..compress.semi_structured import dense_weight
 from ..llm import LLM
 from ..quant.calibration import heldout_windows
 from ..quant.evaluate import compare_many
 from ..quant.gptq import ORDER, get_module
-from ..quant.linear import QuantLinear
+from ..quant.linear import Int4Linear, QuantLinear
 from ..sampling_params import SamplingParams
 from .single_stream import PROMPT
 
 VARIANTS = ("dense", "magnitude-50%", "wanda-50%", "sparsegpt-50%", "magnitude-2:4", "wanda-2:4",
             "sparsegpt-2:4", "channels-0.15", "channels-0.3", "layers-0.15", "layers-0.3",
             "heads-0.25", "heads-0.5", "layers-0.3+kd", "layers-0.3+seqkd", "layers-0.3+reverse_kl",
-            "layers-0.3+gkd", "channels-0.3+kd", "heads-0.25+kd", "int4", "mixed", "smoothquant",
-            "smoothquant-static")
+            "layers-0.3+gkd", "channels-0.3+kd", "heads-0.25+kd", "int4", "mixed", "gptq",
+            "sparsegpt-50%-gptq", "wanda-50%-gptq", "smoothquant", "smoothquant-static")
 NUM_WINDOWS, WINDOW_LEN = 16, 256
 BATCH, BATCH_TOKENS, SINGLE_TOKENS = 16, 64, 128
 
@@ -73,6 +79,21 @@ def parse_variant(spec: str) -> dict:
             raise ValueError(f"variant={spec!r} is invalid: write 'mixed' (the bytes of uniform "
                              "INT4) or 'mixed-<bits per weight>'") from None
         return {"quantization": method, **({"quantization_config": config} if config else {})}
+    if spec == "gptq":
+        return {"quantization": "gptq"}
+    if spec.endswith("-gptq"):         # pruned, then GPTQ; sparsegpt: both in one column loop
+        base = parse_variant(spec.removesuffix("-gptq"))
+        if base.get("pruning") not in MASK_METHODS or "distill" in base:
+            raise ValueError(f"variant={spec!r} is invalid: '-gptq' follows a mask variant, such "
+                             "as 'sparsegpt-50%-gptq'")
+        return {**base, "quantization": "gptq"}
+    if spec.endswith("-semi"):         # 2:4 on sparse tensor cores (CUDA, compute capability 8+)
+        base = parse_variant(spec.removesuffix("-semi"))
+        if base.get("pruning_config", {}).get("pattern") != "2:4":
+            raise ValueError(f"variant={spec!r} is invalid: '-semi' (semi-structured sparse "
+                             "kernels) applies to a 2:4 variant, such as 'wanda-2:4-semi'")
+        base["pruning_config"]["semi_structured"] = True
+        return base
     spec, _, loss = spec.partition("+")
     if loss:
         base = parse_variant(spec)
@@ -105,8 +126,15 @@ def projection_bytes(llm: LLM, pattern: str) -> dict[str, int]:
             if isinstance(module, QuantLinear):
                 total["dense"] += module.weight_bytes()
                 total["compressed"] += module.weight_bytes()
+                if isinstance(module, Int4Linear) and pattern != "unstructured":
+                    # N of every M codes kept, each with its position; scales and minimums as is
+                    n, m = map(int, pattern.split(":"))
+                    kept = module.out_features * module.in_features // m * n
+                    codes = module.as_weight().packed.numel()
+                    total["compressed"] -= codes - math.ceil(kept / 2) - math.ceil(
+                        kept * math.ceil(math.log2(m)) / 8)
                 continue
-            sizes = storage_bytes(module.weight.detach(), pattern)
+            sizes = storage_bytes(dense_weight(module.weight.detach()), pattern)
             total["dense"] += sizes["dense"]
             total["compressed"] += min(sizes.values())
     return total
@@ -140,11 +168,11 @@ def _progress(message: str) -> None:
 
 
 def run(variants=VARIANTS, num_windows: int = NUM_WINDOWS, window_len: int = WINDOW_LEN,
-        repeats: int = 3, model: str = "smollm2-135m", **_) -> dict:
+        repeats: int = 3, model: str = "smollm2-135m", device: str = "cpu", **_) -> dict:
     specs = {v: parse_variant(v) for v in dict.fromkeys(("dense",) + tuple(variants))}
     engines, rows = {}, {}
     scratch = tempfile.TemporaryDirectory(prefix="workbench-compress-")
-    args = dict(device="cpu", verbose=False, max_model_len=512, max_num_seqs=BATCH,
+    args = dict(device=device, verbose=False, max_model_len=512, max_num_seqs=BATCH,
                 max_num_batched_tokens=512)
     for name, extra in specs.items():
         t = time.perf_counter()
@@ -171,7 +199,7 @@ def run(variants=VARIANTS, num_windows: int = NUM_WINDOWS, window_len: int = WIN
             row.update(ppl=ref.ppl_reference if ref else None, mean_kl=0.0, top1=1.0)
         pattern = specs[name].get("pruning_config", {}).get("pattern", "unstructured")
         row.update(projection_bytes(llm, pattern))
-        zeros = {"": 0.0} if "quantization" in specs[name] else sparsity_report(llm.engine.model)
+        zeros = sparsity_report(llm.engine.model) if "pruning" in specs[name] else {"": 0.0}
         row["zero_fraction"] = statistics.mean(zeros.values())
         row["parameters"] = llm.engine.model.num_parameters()
         plan = getattr(llm.engine.model, "mixed_plan", None)
@@ -191,7 +219,8 @@ def run(variants=VARIANTS, num_windows: int = NUM_WINDOWS, window_len: int = WIN
             rows[name][f"tok_s_{key}"] = statistics.median(speed[name][key])
             rows[name][f"speedup_{key}"] = statistics.median(
                 v / d for v, d in zip(speed[name][key], speed["dense"][key]))
-    return {"workload": "compress", "model": model, "dtype": str(dense.engine.dtype),
+    return {"workload": "compress", "model": model, "device": device,
+            "dtype": str(dense.engine.dtype),
             "num_windows": num_windows, "window_len": window_len, "repeats": repeats,
             "threads": torch.get_num_threads(), "rows": list(rows.values())}
 
@@ -222,12 +251,16 @@ def main(argv=None) -> None:
     ap.add_argument("--num-windows", type=int, default=NUM_WINDOWS)
     ap.add_argument("--window-len", type=int, default=WINDOW_LEN)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu",
+                    help="cpu (default) or cuda, where '<method>-2:4-semi' variants run 2:4 "
+                         "weights on sparse tensor cores")
     ap.add_argument("--json", help="also write the results to this JSON file")
     args = ap.parse_args(argv)
     for v in args.variants:          # a typo fails now, not after minutes of calibration
         parse_variant(v)
     commit = measured_commit()
-    result = run(args.variants, args.num_windows, args.window_len, args.repeats)
+    result = run(args.variants, args.num_windows, args.window_len, args.repeats,
+                 device=args.device)
     result["date"] = datetime.datetime.now().isoformat(timespec="seconds")
     result["machine"] = machine_info(commit)
     print(format_table(result))

@@ -29,6 +29,7 @@ import torch
 
 from ..models.llama import MLP, Attention, LlamaModel
 from ..quant.linear import QuantLinear
+from .semi_structured import dense_weight
 
 MANIFEST = "pruning.json"
 
@@ -40,7 +41,8 @@ def is_pruned_checkpoint(folder: Path) -> bool:
 def save_pruned(model: LlamaModel, cfg, source: Path, target: Path) -> Path:
     """The pruned `model` (pruned by PruneConfig `cfg` from the checkpoint `source`) to `target`."""
     return _write(model, source, target, {
-        "method": cfg.method, "config": {k: v for k, v in asdict(cfg).items() if k != "method"}})
+        "method": cfg.method, "config": {k: v for k, v in asdict(cfg).items()
+                                  if k not in ("method", "semi_structured")}})
 
 
 def save_student(model: LlamaModel, manifest: dict, source: Path, target: Path,
@@ -67,7 +69,7 @@ def _write(model: LlamaModel, source: Path, target: Path, manifest: dict) -> Pat
     config = json.loads((Path(source) / "config.json").read_text())
     config["num_hidden_layers"] = len(model.layers)
     (target / "config.json").write_text(json.dumps(config, indent=1))
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    state = {k: dense_weight(v.detach()).contiguous() for k, v in model.state_dict().items()}
     if model.args.tie_word_embeddings:
         state.pop("lm_head.weight", None)          # tied: stored once, as the embedding
     save_file(state, str(target / "model.safetensors"))

@@ -38,8 +38,11 @@ import torch
 from torch import nn
 
 from ..models.llama import LlamaModel
+from .semi_structured import dense_weight
+from ..quant.formats import INT4_MAX, Int4Weight, check_group_size, int4_codes, pack_int4
 from ..quant.gptq import (ORDER, LayerwiseRunner, damped_hessian, get_module, hessian_accumulator,
                           single_thread, upper_inverse_factor)
+from ..quant.linear import Int4Linear
 
 METHODS = ("magnitude", "wanda", "sparsegpt", "channels", "layers", "heads")  # last 3: structured
 CALIBRATED = ("wanda", "sparsegpt", "channels", "layers", "heads")
@@ -57,6 +60,8 @@ class PruneConfig:
     sparsegpt_block_size: int = 128     # columns whose mask is chosen together
     sparsegpt_percdamp: float = 0.01    # damping added to H's diagonal, times its mean
     ratio: float = 0.25                 # channels, layers, heads: the fraction of them removed
+    semi_structured: bool = False       # 2:4 only: run the projections on sparse tensor cores
+                                        # (CUDA, compute capability >= 8.0; semi_structured.py)
 
     @property
     def n_m(self) -> tuple[int, int] | None:
@@ -114,6 +119,14 @@ class PruneConfig:
         if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not 0 < damp <= 1:
             raise ValueError(f"pruning_config['sparsegpt_percdamp']={damp!r} is invalid: it must "
                              "be a number in (0, 1]")
+        semi = options.get("semi_structured", False)
+        if not isinstance(semi, bool):
+            raise ValueError(f"pruning_config['semi_structured']={semi!r} is invalid: it must be "
+                             "True or False")
+        if semi and (method not in MASKED or pattern != "2:4"):
+            raise ValueError("pruning_config['semi_structured']=True is invalid with "
+                             f"pruning={method!r} and pattern {pattern!r}: sparse tensor cores "
+                             "read only the 2:4 pattern of a mask method ('pattern': '2:4')")
         cfg = cls(method=method, **options)
         if cfg.n_m is not None and cfg.sparsegpt_block_size % cfg.n_m[1]:
             raise ValueError(f"pruning_config['sparsegpt_block_size']={cfg.sparsegpt_block_size} "
@@ -169,6 +182,62 @@ def sparsegpt_prune_weight(weight: torch.Tensor, hessian: torch.Tensor, sparsity
                            percdamp: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
     """(pruned fp32 weight, keep mask) of one (N, K) weight by SparseGPT, given the Hessian
     2 X^T X / tokens (K, K) of its inputs (see the module docstring)."""
+    w, keep, _ = _sparsegpt(weight, hessian, sparsity, n_m, block_size, percdamp, None)
+    return w, keep
+
+
+@torch.no_grad()
+def sparsegpt_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, sparsity: float,
+                              n_m: tuple[int, int] | None = None, group_size: int = 128,
+                              block_size: int = 128, percdamp: float = 0.01,
+                              dtype: torch.dtype = torch.float32
+                              ) -> tuple[Int4Weight, torch.Tensor]:
+    """(INT4 group-wise weight, keep mask): SparseGPT pruning and GPTQ quantization in the same
+    column loop (the paper's joint 50% + 4-bit mode, its Section 3.5): each column is masked, its
+    kept weights rounded to the group's grid, and the whole error (pruning plus rounding) pushed
+    onto the columns not yet visited. Each group's grid holds 0 exactly (zero_point_grid) with
+    its scale and minimum stored in `dtype` (the engine's), so a pruned weight is stored as the
+    group's zero code and dequantizes to exactly 0."""
+    check_group_size(group_size)
+    block_size = max(block_size, group_size)
+    if block_size % group_size:
+        raise ValueError(f"sparsegpt_block_size={block_size} is invalid with group_size="
+                         f"{group_size}: it must be a multiple of it (a group's grid is read "
+                         "from the weights as updated when its block starts)")
+    w, keep, (scale, minimum) = _sparsegpt(weight, hessian, sparsity, n_m, block_size, percdamp,
+                                           group_size, dtype)
+    codes = int4_codes(w, scale, minimum, group_size)   # w is on the grid: its own codes
+    return Int4Weight(pack_int4(codes), scale, minimum, group_size, w.shape[1]), keep
+
+
+ZERO_POINTS = torch.tensor([0.0, 1.0, 2.0, 4.0, 8.0])   # z * scale is exact in any float format
+
+
+def zero_point_grid(span: torch.Tensor, dtype: torch.dtype = torch.float32
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, minimum) per column of `span` (group, N): an INT4 grid covering [min(lo, 0),
+    max(hi, 0)] on which 0 is code z exactly, once scale and minimum are stored in `dtype`: z is
+    0 or a power of two (z * scale then rounds nowhere), the one needing the smallest step to
+    reach both ends, the step is rounded up to a `dtype` value, and minimum = -z * scale. A
+    symmetric group takes z = 8 and a step 15/14 of the free grid's."""
+    lo, hi = span.amin(dim=0).clamp(max=0), span.amax(dim=0).clamp(min=0)
+    # the step each zero point needs to reach both ends (z = 0 only when nothing is negative)
+    need = torch.maximum(-lo[:, None] / ZERO_POINTS.clamp(min=1),
+                         hi[:, None] / (INT4_MAX - ZERO_POINTS))
+    need[:, 0] = torch.where(lo < 0, torch.inf, need[:, 0])
+    scale, pick = need.min(dim=1)
+    z = ZERO_POINTS[pick]
+    scale = scale.clamp(min=1e-12)
+    stored = scale.to(dtype).float()
+    scale = torch.where(stored < scale, torch.nextafter(stored.to(dtype), torch.tensor(
+        float("inf"), dtype=dtype)).float(), stored)
+    return scale, -z * scale
+
+
+def _sparsegpt(weight, hessian, sparsity, n_m, block_size, percdamp, group_size,
+               dtype=torch.float32):
+    """The column loop of SparseGPT, and with a group size also GPTQ's rounding (see above):
+    (weight, keep mask, (scale, minimum) per (row, group) or None)."""
     k = weight.shape[1]
     if n_m is not None and k % n_m[1]:          # before the Hessian's factorization, not after
         raise ValueError(f"pattern '{n_m[0]}:{n_m[1]}' needs in_features divisible by "
@@ -178,6 +247,10 @@ def sparsegpt_prune_weight(weight: torch.Tensor, hessian: torch.Tensor, sparsity
     hinv = upper_inverse_factor(h)
     wt = w.t().contiguous()                 # (K, N): a column of W is a contiguous row here
     keep = torch.ones_like(wt, dtype=torch.bool)
+    grid = None
+    if group_size:                          # groups start inside blocks: read updated weights
+        groups = -(-k // group_size)
+        grid = (torch.zeros(w.shape[0], groups), torch.zeros(w.shape[0], groups))
     with single_thread():
         for b1 in range(0, k, block_size):
             b2 = min(b1 + block_size, k)
@@ -197,13 +270,20 @@ def sparsegpt_prune_weight(weight: torch.Tensor, hessian: torch.Tensor, sparsity
                     keep1[i:i + m].scatter_(0, score.topk(m - n, dim=0, largest=False).indices,
                                             False)
                 q = w1[i] * keep1[i]
+                if grid is not None:
+                    col = b1 + i
+                    if col % group_size == 0:
+                        g = col // group_size
+                        grid[0][:, g], grid[1][:, g] = zero_point_grid(w1[i:i + group_size], dtype)
+                    s, lo = grid[0][:, col // group_size], grid[1][:, col // group_size]
+                    q = torch.round((q - lo) / s).clamp_(0, INT4_MAX).mul_(s).add_(lo) * keep1[i]
                 e = (w1[i] - q) / d[i]
                 w1[i:].addr_(hinv1[i, i:], e, alpha=-1)  # compensate the block's columns
                 w1[i] = q                                  # exact zeros where pruned
                 err1[i] = e
             wt[b1:b2] = w1
             wt[b2:].addmm_(hinv[b1:b2, b2:].t(), err1, alpha=-1)   # ... and, lazily, the rest
-    return wt.t().contiguous(), keep.t().contiguous()
+    return wt.t().contiguous(), keep.t().contiguous(), grid
 
 
 # ----------------------------------------------------------------------------- the model
@@ -213,10 +293,15 @@ def _set(linear: nn.Linear, weight: torch.Tensor) -> None:
 
 @torch.no_grad()
 def prune_model(model: LlamaModel, cfg: PruneConfig,
-                calibration: list[list[int]] | None = None) -> None:
+                calibration: list[list[int]] | None = None,
+                int4_group_size: int | None = None) -> None:
     """Prune every decoder projection of `model` in place by cfg.method (the LM head and the
     embedding are kept: the papers prune the decoder's linear layers); channels, layers and heads
-    go to structured.py."""
+    go to structured.py. With `int4_group_size` (sparsegpt only), prune and quantize to INT4 in
+    one pass (sparsegpt_quantize_weight): the projections become Int4Linear layers."""
+    if int4_group_size is not None and cfg.method != "sparsegpt":
+        raise ValueError(f"pruning={cfg.method!r} does not quantize while pruning: only "
+                         "'sparsegpt' walks the columns as GPTQ does")
     if cfg.method not in MASKED:
         from .structured import prune_structured
         prune_structured(model, cfg.method, cfg.ratio, calibration)
@@ -232,7 +317,9 @@ def prune_model(model: LlamaModel, cfg: PruneConfig,
     if not calibration:
         raise ValueError(f"pruning={cfg.method!r} calibrates on text: pass calibration windows")
     runner = LayerwiseRunner(model, calibration)
+    dtype = model.embed_tokens.weight.dtype
     for index, layer in enumerate(model.layers):
+        quantized = {}
         for path in ORDER:
             linear = get_module(layer, path)[2]
             if cfg.method == "wanda":
@@ -244,20 +331,31 @@ def prune_model(model: LlamaModel, cfg: PruneConfig,
                 h, add = hessian_accumulator(linear.in_features)
                 runner.run(index, {linear: add}, stop_after=linear)
                 h.mul_(2 / runner.num_tokens)
-                pruned, _ = sparsegpt_prune_weight(linear.weight, h, cfg.sparsity, n_m,
-                                                   cfg.sparsegpt_block_size,
-                                                   cfg.sparsegpt_percdamp)
+                if int4_group_size is None:
+                    pruned, _ = sparsegpt_prune_weight(linear.weight, h, cfg.sparsity, n_m,
+                                                       cfg.sparsegpt_block_size,
+                                                       cfg.sparsegpt_percdamp)
+                else:      # the later passes see the quantized layer's arithmetic, as in GPTQ
+                    quantized[path], _ = sparsegpt_quantize_weight(
+                        linear.weight, h, cfg.sparsity, n_m, int4_group_size,
+                        cfg.sparsegpt_block_size, cfg.sparsegpt_percdamp, dtype)
+                    pruned = quantized[path].dequantize()
                 _set(linear, pruned)
         runner.run(index, advance=True)
+        for path, weight in quantized.items():
+            owner, attr, _ = get_module(layer, path)
+            setattr(owner, attr, Int4Linear(weight, dtype))
 
 
 # ----------------------------------------------------------------------------- what it saves
 def sparsity_report(model: LlamaModel) -> dict[str, float]:
-    """Fraction of exact zeros in each decoder projection ('layers.3.mlp.down_proj': 0.5)."""
+    """Fraction of exact zeros in each decoder projection ('layers.3.mlp.down_proj': 0.5),
+    quantized ones as they dequantize."""
     out = {}
     for i, layer in enumerate(model.layers):
         for path in ORDER:
-            w = get_module(layer, path)[2].weight
+            m = get_module(layer, path)[2]
+            w = m.dequantize(torch.float32) if hasattr(m, "dequantize") else dense_weight(m.weight)
             out[f"layers.{i}.{path}"] = (w == 0).float().mean().item()
     return out
 

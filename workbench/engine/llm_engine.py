@@ -122,10 +122,15 @@ class LLMEngine:
             else:
                 self.model = load_model(self.checkpoint, self.dtype, self.device,
                                         config.max_model_len)
+            joint = self._prunes_while_quantizing(config)
             if config.prune_config is not None:
-                self._prune(config.prune_config)
+                self._prune(config.prune_config, joint)
             if config.quant_config is not None:
-                self._quantize(config.quant_config)
+                if not joint:
+                    self._quantize(config.quant_config)
+                elif config.quant_config.quantize_lm_head:
+                    from ..quant.apply import quantize_lm_head
+                    quantize_lm_head(self.model)
                 self.quantization = config.quant_config.method
         if config.moe_config is not None:
             from ..parallel.moe import moefy
@@ -197,22 +202,35 @@ class LLMEngine:
         return calibration_windows(self.tokenizer, cfg.num_calibration_windows,
                                    cfg.calibration_window_len)
 
-    def _prune(self, cfg) -> None:
+    @staticmethod
+    def _prunes_while_quantizing(config: EngineConfig) -> bool:
+        """SparseGPT with GPTQ: one column loop prunes and quantizes (the SparseGPT paper's joint
+        mode), so the pruned weights stay exact zeros; GPTQ after pruning would fill them in."""
+        p, q = config.prune_config, config.quant_config
+        return p is not None and q is not None and p.method == "sparsegpt" and q.method == "gptq"
+
+    def _prune(self, cfg, joint: bool = False) -> None:
+        from ..compress import semi_structured
         from ..compress.pruning import CALIBRATED, prune_model
-        prune_model(self.model, cfg, self._calibration("pruning", cfg, CALIBRATED))
+        if cfg.semi_structured:            # refused before the calibration, not after it
+            why_not = semi_structured.unsupported(self.device, self.dtype)
+            if why_not is None and self.config.quant_config is not None:
+                why_not = "quantization replaces the projections it would convert"
+            if why_not:
+                raise ValueError(f"pruning_config['semi_structured']=True is invalid here: "
+                                 f"{why_not}")
+        prune_model(self.model, cfg, self._calibration("pruning", cfg, CALIBRATED),
+                    self.config.quant_config.group_size if joint else None)
+        if joint:
+            from ..memory import release_memory
+            release_memory()        # the full-precision weights the INT4 layers replaced
+        if cfg.semi_structured:
+            semi_structured.to_semi_structured(self.model)
         # removing layers shrinks the KV cache too (built after this, from model_args)
         self.model_args.num_hidden_layers = self.model.args.num_hidden_layers = len(self.model.layers)
 
     def _quantize(self, cfg) -> None:
         from ..quant.apply import CALIBRATED, quantize_model
-        heads = self.model.args.num_attention_heads
-        if cfg.method in ("awq", "smoothquant") and any(
-                layer.self_attn.num_heads != heads for layer in self.model.layers):
-            # Their o_proj scales and v rows are laid out by the config's one head count
-            # (quant/smoothquant.py gqa_shared, fold_scales; quant/awq.py).
-            raise ValueError(f"quantization={cfg.method!r} is invalid for a model with query "
-                             "heads pruned: it places o_proj's scales by one head count for all "
-                             "layers; use 'int8', 'int4', 'gptq' or 'mixed'")
         calibration = self._calibration("quantization", cfg, CALIBRATED)
         quantize_model(self.model, cfg, calibration)
         from ..memory import release_memory

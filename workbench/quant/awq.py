@@ -169,7 +169,7 @@ def awq_layer(layer, inputs: dict[str, torch.Tensor], args, group_size: int, n_g
                                    group_size, n_grid, share)
         fold_scales(w, t, searches[t].scale, args)
     w.write_norms(layer)
-    v_start = (args.num_attention_heads + args.num_key_value_heads) * args.head_dim
+    v_start = w.o_proj.shape[1] + args.num_key_value_heads * args.head_dim   # this layer's heads
     quantized = {}
     for t, path in PATHS.items():
         weight = getattr(w, t)

@@ -146,7 +146,7 @@ def gqa_shared(values: torch.Tensor, args: LlamaArgs, reduce: str = "max") -> to
     """o_proj's per-input-channel `values` (num_heads * head_dim) made equal across the query heads
     that share a kv head, by their max or mean: the only scales that can be folded into v rows."""
     kvh, hd = args.num_key_value_heads, args.head_dim
-    g = values.view(kvh, args.num_attention_heads // kvh, hd)
+    g = values.view(kvh, values.numel() // (kvh * hd), hd)   # this layer's heads (some pruned)
     shared = g.amax(dim=1, keepdim=True) if reduce == "max" else g.mean(dim=1, keepdim=True)
     return shared.expand_as(g).reshape(-1)
 
@@ -162,15 +162,16 @@ def fold_scales(w: LayerWeights, target: str, s: torch.Tensor, args: LlamaArgs) 
         w.post_attention_layernorm /= s
         w.gate_up_proj *= s
     elif target == "down_proj":   # down's input silu(gate) * up is linear in up
-        w.gate_up_proj[args.intermediate_size:] /= s[:, None]
+        w.gate_up_proj[w.gate_up_proj.shape[0] // 2:] /= s[:, None]   # this layer's width
         w.down_proj *= s
     elif target == "o_proj":      # o's input channel (head h, dim d) is v channel (h // rep, d)
         kvh, hd = args.num_key_value_heads, args.head_dim
-        g = s.view(kvh, args.num_attention_heads // kvh, hd)
+        heads = s.numel() // hd                   # this layer's query heads (some may be pruned)
+        g = s.view(kvh, heads // kvh, hd)
         if not torch.equal(g, g[:, :1].expand_as(g)):
             raise ValueError("o_proj scales differ between query heads that share a kv head: "
                              "they cannot be folded into the v rows (make them with gqa_shared)")
-        v_start = args.num_attention_heads * hd + kvh * hd
+        v_start = heads * hd + kvh * hd
         w.qkv_proj[v_start:] /= g[:, 0].reshape(-1)[:, None]
         w.o_proj *= s
     else:
