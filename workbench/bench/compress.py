@@ -126,7 +126,8 @@ def projection_bytes(llm: LLM, pattern: str) -> dict[str, int]:
             if isinstance(module, QuantLinear):
                 total["dense"] += module.weight_bytes()
                 total["compressed"] += module.weight_bytes()
-                if isinstance(module, Int4Linear) and pattern != "unstructured":
+                if isinstance(module, Int4Linear) and pattern != "unstructured" and \
+                        follows_pattern(module.dequantize(torch.float32), pattern):
                     # N of every M codes kept, each with its position; scales and minimums as is
                     n, m = map(int, pattern.split(":"))
                     kept = module.out_features * module.in_features // m * n
@@ -138,6 +139,15 @@ def projection_bytes(llm: LLM, pattern: str) -> dict[str, int]:
             total["dense"] += sizes["dense"]
             total["compressed"] += min(sizes.values())
     return total
+
+
+def follows_pattern(weight: torch.Tensor, pattern: str) -> bool:
+    """Whether the weight's zeros still form the N:M pattern (GPTQ after a mask fills them in)."""
+    try:
+        storage_bytes(weight, pattern)
+    except ValueError:
+        return False
+    return True
 
 
 def decode_tok_s(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
