@@ -38,11 +38,11 @@ import torch
 from torch import nn
 
 from ..models.llama import LlamaModel
-from .semi_structured import dense_weight
 from ..quant.formats import INT4_MAX, Int4Weight, check_group_size, int4_codes, pack_int4
 from ..quant.gptq import (ORDER, LayerwiseRunner, damped_hessian, get_module, hessian_accumulator,
                           single_thread, upper_inverse_factor)
 from ..quant.linear import Int4Linear
+from .semi_structured import dense_weight
 
 METHODS = ("magnitude", "wanda", "sparsegpt", "channels", "layers", "heads")  # last 3: structured
 CALIBRATED = ("wanda", "sparsegpt", "channels", "layers", "heads")
