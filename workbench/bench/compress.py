@@ -191,7 +191,8 @@ def run(variants=VARIANTS, num_windows: int = NUM_WINDOWS, window_len: int = WIN
             engines[name] = distilled(engines["dense"], name, extra, Path(scratch.name), args, row)
         else:
             engines[name] = LLM(model, **args, **extra)
-        row.update(build_s=time.perf_counter() - t, describe=engines[name].describe())
+        row.update(build_s=time.perf_counter() - t,     # no temporary path in the results
+                   describe=engines[name].describe().replace(scratch.name, "<scratch>"))
         _progress(f"built {name} in {row['build_s']:.1f} s")
     dense = engines["dense"]
     tok = dense.get_tokenizer()
