@@ -7,19 +7,19 @@ import torch
 from workbench import LLM, SamplingParams
 from workbench.bench.compress import parse_variant
 from workbench.compress import semi_structured
-from workbench.compress.pruning import PruneConfig, keep_mask
+from workbench.compress.pruning import PruneConfig, follows_pattern, keep_mask
 
 CUDA_8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
 
 
-def test_follows_2_4_checks_every_group_of_four():
+def test_the_2_4_check_reads_every_group_of_four():
     w = torch.randn(8, 16)
-    assert not semi_structured.follows_2_4(w)
+    assert not follows_pattern(w, "2:4")
     pruned = w * keep_mask(w.abs(), 0.5, (2, 4))
-    assert semi_structured.follows_2_4(pruned)
+    assert follows_pattern(pruned, "2:4")
     pruned[3, 4:8] = torch.tensor([1.0, 2.0, 3.0, 0.0])             # a group with 3 nonzeros
-    assert not semi_structured.follows_2_4(pruned)
-    assert not semi_structured.follows_2_4(torch.zeros(2, 6))       # 6 columns: not groups of 4
+    assert not follows_pattern(pruned, "2:4")
+    assert not follows_pattern(torch.zeros(2, 6), "2:4")       # 6 columns: not groups of 4
 
 
 @pytest.mark.parametrize("method, options, message", [

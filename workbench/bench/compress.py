@@ -41,7 +41,8 @@ import torch
 
 from ..compress.distill import StudentDistillConfig, distill_student
 from ..compress import structured
-from ..compress.pruning import MASKED as MASK_METHODS, sparsity_report, storage_bytes
+from ..compress.pruning import (MASKED as MASK_METHODS, follows_pattern, sparsity_report,
+                                storage_bytes)
 from ..compress.semi_structured import dense_weight
 from ..llm import LLM
 from ..quant.calibration import heldout_windows
@@ -139,15 +140,6 @@ def projection_bytes(llm: LLM, pattern: str) -> dict[str, int]:
             total["dense"] += sizes["dense"]
             total["compressed"] += min(sizes.values())
     return total
-
-
-def follows_pattern(weight: torch.Tensor, pattern: str) -> bool:
-    """Whether the weight's zeros still form the N:M pattern (GPTQ after a mask fills them in)."""
-    try:
-        storage_bytes(weight, pattern)
-    except ValueError:
-        return False
-    return True
 
 
 def decode_tok_s(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:

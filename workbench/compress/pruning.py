@@ -42,7 +42,6 @@ from ..quant.formats import INT4_MAX, Int4Weight, check_group_size, int4_codes, 
 from ..quant.gptq import (ORDER, LayerwiseRunner, damped_hessian, get_module, hessian_accumulator,
                           single_thread, upper_inverse_factor)
 from ..quant.linear import Int4Linear
-from .semi_structured import dense_weight
 
 METHODS = ("magnitude", "wanda", "sparsegpt", "channels", "layers", "heads")  # last 3: structured
 CALIBRATED = ("wanda", "sparsegpt", "channels", "layers", "heads")
@@ -351,6 +350,7 @@ def prune_model(model: LlamaModel, cfg: PruneConfig,
 def sparsity_report(model: LlamaModel) -> dict[str, float]:
     """Fraction of exact zeros in each decoder projection ('layers.3.mlp.down_proj': 0.5),
     quantized ones as they dequantize."""
+    from .semi_structured import dense_weight      # it imports this module
     out = {}
     for i, layer in enumerate(model.layers):
         for path in ORDER:
@@ -358,6 +358,14 @@ def sparsity_report(model: LlamaModel) -> dict[str, float]:
             w = m.dequantize(torch.float32) if hasattr(m, "dequantize") else dense_weight(m.weight)
             out[f"layers.{i}.{path}"] = (w == 0).float().mean().item()
     return out
+
+
+def follows_pattern(weight: torch.Tensor, pattern: str) -> bool:
+    """Whether every group of M consecutive weights of every row of `weight` holds at most N
+    nonzeros, for pattern 'N:M' (GPTQ after a mask, for one, fills the zeros in)."""
+    n, m = map(int, pattern.split(":"))
+    rows, k = weight.shape
+    return k % m == 0 and int((weight != 0).reshape(rows, k // m, m).sum(-1).max()) <= n
 
 
 def storage_bytes(weight: torch.Tensor, pattern: str = "unstructured") -> dict[str, int]:
@@ -374,7 +382,7 @@ def storage_bytes(weight: torch.Tensor, pattern: str = "unstructured") -> dict[s
            "csr": nnz * (elem + 4) + 4 * (rows + 1)}
     if pattern != "unstructured":
         n, m = map(int, pattern.split(":"))
-        if k % m or int((weight != 0).reshape(rows, k // m, m).sum(-1).max()) > n:
+        if not follows_pattern(weight, pattern):
             raise ValueError(f"this weight does not follow pattern {pattern!r}: some group of {m} "
                              f"holds more than {n} nonzeros (or {k} columns are not groups of {m})")
         kept = weight.numel() // m * n

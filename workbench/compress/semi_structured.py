@@ -8,8 +8,8 @@
 Sparse tensor cores exist on NVIDIA GPUs of compute capability 8.0 and newer (Ampere onward), for
 fp16, bf16 and int8 weights whose shape is a multiple of (32, 64). Nothing on a CPU reads the
 format, so there the engine keeps the dense tensor with its zeros and runs at dense speed
-(`python -m workbench.bench compress` measures that). `python -m workbench.bench sparse24` times
-decode with these weights against dense on a GPU.
+(`python -m workbench.bench compress` measures that). On a GPU, `python -m workbench.bench compress
+--device cuda` times decode with these weights (variants `<method>-2:4-semi`) against dense.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..quant.gptq import ORDER, get_module
+from .pruning import follows_pattern
 
 MIN_CAPABILITY = (8, 0)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -39,12 +40,6 @@ def unsupported(device: torch.device | str, dtype: torch.dtype) -> str | None:
     return None
 
 
-def follows_2_4(weight: torch.Tensor) -> bool:
-    """True when every group of 4 consecutive weights of every row holds at most 2 nonzeros."""
-    rows, k = weight.shape
-    return k % 4 == 0 and int((weight != 0).reshape(rows, k // 4, 4).sum(-1).max()) <= 2
-
-
 @torch.no_grad()
 def to_semi_structured(model: nn.Module) -> int:
     """Replace every decoder projection's dense 2:4 weight by a semi-structured sparse tensor, in
@@ -55,7 +50,7 @@ def to_semi_structured(model: nn.Module) -> int:
     for index, layer in enumerate(model.layers):
         for path in ORDER:
             linear = get_module(layer, path)[2]
-            if not follows_2_4(linear.weight):
+            if not follows_pattern(linear.weight, "2:4"):
                 raise ValueError(f"layers.{index}.{path} does not follow the 2:4 pattern: prune "
                                  "with pruning_config={'pattern': '2:4'} first")
             linear.weight = nn.Parameter(to_sparse_semi_structured(linear.weight.detach()),
