@@ -10,6 +10,11 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8, 25.6
 TOKEN_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 
+# The `reason` label of workbench:request_rejected_total (a dashboard reads these names).
+REJECT_REASONS = ("queue_full", "queued_tokens", "rate_limit_requests", "rate_limit_tokens",
+                  "shutting_down", "unauthorized", "content_policy", "invalid", "too_large",
+                  "timeout")
+
 
 class ServerMetrics:
     def __init__(self, model_name: str):
@@ -54,6 +59,11 @@ class ServerMetrics:
         self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Drafts accepted.")
         self._success = Counter("workbench:request_success", "Finished requests.",
                                 labels + ["finished_reason"], registry=r)
+        self._rejected = Counter("workbench:request_rejected",
+                                 "Requests refused before or while running, by reason.",
+                                 labels + ["reason"], registry=r)
+        for reason in REJECT_REASONS:        # every series exists from the start, at 0
+            self._rejected.labels(model_name, reason)
 
     def observe_step(self, engine, record) -> None:
         self.running.set(record.num_running)
@@ -86,6 +96,11 @@ class ServerMetrics:
             self.prefill.observe(m.first_token_time - m.first_scheduled_time)
         reason = output.outputs[0].finish_reason or "abort"
         self._success.labels(self.model, reason).inc()
+
+    def observe_rejected(self, reason: str) -> None:
+        if reason not in REJECT_REASONS:
+            raise ValueError(f"reason={reason!r} is invalid: one of {', '.join(REJECT_REASONS)}")
+        self._rejected.labels(self.model, reason).inc()
 
     def idle(self, engine) -> None:
         """When nothing runs: the gauges must not keep the last busy step's values."""
