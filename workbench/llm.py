@@ -181,7 +181,7 @@ class LLM:
         try:
             for prompt, p, prio in zip(prompts, params, priority):
                 ids.append(self.engine.add_request(prompt, p, priority=prio))
-            while any(not self.engine.get_sequence(r).is_finished for r in ids):
+            while not all(self.engine.is_request_finished(r) for r in ids):
                 self.engine.step()
             return [self.engine.pop_output(r) for r in ids]
         finally:  # on an error or Ctrl-C, leave no request of ours behind in the engine
@@ -215,6 +215,9 @@ class LLM:
     def stream(self, prompt, sampling_params: SamplingParams | None = None
                ) -> Iterator[StreamChunk]:
         """Yield the new text of one request as the engine produces it, step by step."""
+        if sampling_params is not None and sampling_params.best_of > 1:
+            raise ValueError(f"n={sampling_params.n}, best_of={sampling_params.best_of} is "
+                             "invalid for stream(), which yields one sample: use generate()")
         self.engine.tokenize(prompt)
         request_id = self.engine.add_request(prompt, sampling_params)
         seq = self.engine.get_sequence(request_id)

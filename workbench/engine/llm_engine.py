@@ -30,6 +30,7 @@ from ..config import EngineConfig
 from ..kv.block_manager import BlockManager
 from ..kv.paged_cache import PagedKVCache, kv_bytes_per_token
 from ..models.loader import load_model, load_tokenizer, read_args, resolve_checkpoint
+from .logits_processors import History
 from .output_processor import OutputProcessor
 from ..outputs import RequestOutput
 from ..compress.checkpoint import is_pruned_checkpoint, load_pruned, save_pruned
@@ -324,30 +325,89 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority={priority!r} is invalid: it must be an integer "
                              "(lower values are served first)")
-        seq = Sequence(request_id, text, ids, params, priority=priority)
-        if arrival_time is not None:
-            seq.arrival_time = arrival_time
-        if params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(params.seed)
-        if params.logprobs is not None:
-            seq.logprobs = []
-        if params.prompt_logprobs is not None:
-            seq.prompt_logprobs = [None]  # nothing predicts the first prompt token
-        self._sequences[request_id] = seq
+        self._check_processors(params)
+        member_ids = [request_id] + [f"{request_id}#{i}" for i in range(1, params.best_of)]
+        if params.best_of > self.config.max_num_seqs:
+            field = "best_of" if params.best_of > params.n else "n"
+            raise ValueError(f"{field}={params.best_of} is invalid: a request's samples run "
+                             f"together, at most max_num_seqs={self.config.max_num_seqs}")
+        taken = [m for m in member_ids[1:] if m in self._sequences]
+        if taken:
+            raise ValueError(f"request_id={request_id!r} is invalid: its samples' ids {taken} "
+                             "are already in use")
+        members = [self._new_sequence(m, text, ids, params, priority, arrival_time, i)
+                   for i, m in enumerate(member_ids)]
+        seq = members[0]
+        if len(members) > 1:
+            seq.members = members
+        for m in members:
+            self._sequences[m.request_id] = m
         # With several schedulers (pipeline micro-batches), the one with the fewest requests.
         min(self.schedulers, key=lambda s: len(s.waiting) + len(s.running)).add(seq)
         return request_id
 
+    def _new_sequence(self, request_id, text, ids, params, priority, arrival_time,
+                      index) -> Sequence:
+        seq = Sequence(request_id, text, list(ids), params, priority=priority, index=index)
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
+        if params.seed is not None:          # sample i draws from seed + i: its own stream
+            seq.generator = torch.Generator().manual_seed(params.seed + index)
+        if params.logprobs is not None:
+            seq.logprobs = []
+        if params.prompt_logprobs is not None and index == 0:
+            seq.prompt_logprobs = [None]  # nothing predicts the first prompt token
+        if params.min_tokens:
+            eos = set() if params.ignore_eos else self.output_processor.eos_token_ids
+            seq.min_tokens_stop_ids = frozenset(eos | set(params.stop_token_ids))
+        if params.bad_words:
+            seq.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        return seq
+
+    def _check_processors(self, params: SamplingParams) -> None:
+        vocab = self.model_args.vocab_size
+        bad = [t for t in params.logit_bias or {} if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias keys {bad[:5]} are invalid: token ids must be in "
+                             f"[0, {vocab}) for this model's vocabulary")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer, and this model has none; use "
+                             "logit_bias with -100 for the token ids instead")
+
+    def _bad_words_token_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """Each word's tokens, alone and after a space (the same word tokenizes differently at
+        the start of the text and inside it), as vLLM bans them."""
+        out = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in out:
+                    out.append(ids)
+        return tuple(out)
+
     def abort_request(self, request_id: str) -> None:
-        seq = None
-        for scheduler in self.schedulers:
-            seq = seq or scheduler.abort(request_id)
-        if self.drafter is not None:
-            self.drafter.release(request_id)
-        if seq is not None:
-            seq.status = SequenceStatus.FINISHED
-            seq.finished_time = time.perf_counter()
-        self._sequences.pop(request_id, None)
+        head = self._sequences.get(request_id)
+        for member in (head.members if head is not None and head.members else [head]):
+            rid = member.request_id if member is not None else request_id
+            seq = None
+            for scheduler in self.schedulers:
+                seq = seq or scheduler.abort(rid)
+            if self.drafter is not None:
+                self.drafter.release(rid)
+            if seq is not None:
+                seq.status = SequenceStatus.FINISHED
+                seq.finished_time = time.perf_counter()
+            self._sequences.pop(rid, None)
+
+    def is_request_finished(self, request_id: str) -> bool:
+        """Every sample of the request has finished (a group ends when its last member does)."""
+        seq = self._sequences[request_id]
+        if seq.members and seq.is_finished and not seq.forked:
+            for m in seq.members[1:]:        # ended before its first token: the samples with it
+                if not m.is_finished:
+                    m.finish_reason, m.status = seq.finish_reason, SequenceStatus.FINISHED
+                    m.finished_time = seq.finished_time
+        return seq.group_finished
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._in_flight) or any(s.has_unfinished() for s in self.schedulers)
@@ -356,8 +416,11 @@ class LLMEngine:
         return self._sequences.get(request_id)
 
     def pop_output(self, request_id: str) -> RequestOutput:
-        """The finished request's output; the engine forgets the request."""
-        return self.output_processor.to_request_output(self._sequences.pop(request_id))
+        """The finished request's output; the engine forgets the request (all its samples)."""
+        seq = self._sequences.pop(request_id)
+        for m in (seq.members or [])[1:]:
+            self._sequences.pop(m.request_id, None)
+        return self.output_processor.to_request_output(seq)
 
     # ----------------------------------------------------------------------------- the step
     def step(self) -> list[Sequence]:
@@ -417,7 +480,9 @@ class LLMEngine:
         """Sample from the forward's logits, append the tokens, free what finished, record."""
         t0, t1, t_draft, t2, t3 = times
         sampled = [batch.seqs[i] for i in out.sample_indices]
-        emitted = self._sample(sampled, out.logits)
+        logits, forked = self._fork_groups(scheduler, sampled, out.logits)
+        sampled += forked
+        emitted = self._sample(sampled, logits)
         t4 = time.perf_counter()
         spec, spec_tokens = [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
@@ -445,7 +510,7 @@ class LLMEngine:
                     if hasattr(self.drafter, "rollback"):
                         self.drafter.rollback(seq)
         if self.blocks.enable_prefix_caching:   # after the appends: accepted drafts are tokens now
-            for seq in batch.seqs:
+            for seq in batch.seqs + forked:
                 self.blocks.index_full_blocks(seq.request_id, seq.all_token_ids,
                                               min(seq.num_computed_tokens, seq.num_tokens))
         finished = scheduler.free_finished()
@@ -475,6 +540,30 @@ class LLMEngine:
             schedule_s=t1 - t0, draft_s=t_draft - t1, prepare_s=t2 - t_draft, forward_s=t3 - t2,
             sample_s=t4 - t3, postprocess_s=t5 - t4, total_s=t5 - t0, **comm))
         return batch.seqs
+
+    def _fork_groups(self, scheduler, sampled: list[Sequence], logits: torch.Tensor):
+        """Groups sampling their first token: the other members share the prompt's blocks now
+        and draw from the same logits row. Returns the logits with those rows appended, and the
+        new members (they run from the next step on)."""
+        rows, r, extra, forked = {}, 0, [], []
+        for seq in sampled:
+            rows[id(seq)] = r
+            r += 1 + len(seq.spec_token_ids)
+        for seq in sampled:
+            if not seq.members or seq.forked:
+                continue
+            seq.forked = True
+            for child in seq.members[1:]:
+                self.blocks.fork(seq.request_id, child.request_id)
+                child.num_computed_tokens = seq.num_prompt_tokens
+                child.first_scheduled_time = seq.first_scheduled_time
+                child.status = SequenceStatus.RUNNING
+                scheduler.running.append(child)
+                extra.append(rows[id(seq)])
+                forked.append(child)
+        if extra:
+            logits = torch.cat([logits, logits[extra]])
+        return logits, forked
 
     # ----------------------------------------------------------------------------- speculation
     def _draft(self, batch) -> None:
@@ -509,7 +598,8 @@ class LLMEngine:
             in_order = picked == list(range(len(logits)))
             sample = self.sampler(logits if in_order else logits[picked],
                                   [sampled[j].params for j in plain],
-                                  [sampled[j].generator for j in plain])
+                                  [sampled[j].generator for j in plain],
+                                  [self._history(sampled[j]) for j in plain])
             for m, j in enumerate(plain):
                 results[j] = ([sample.token_ids[m]], [sample.logprobs[m]], 0)
         for j, seq in enumerate(sampled):
@@ -526,6 +616,13 @@ class LLMEngine:
                          for t, tok in enumerate(v.token_ids)]
             results[j] = (v.token_ids, infos, v.num_accepted)
         return results
+
+    @staticmethod
+    def _history(seq: Sequence) -> History | None:
+        if not seq.params.uses_history:
+            return None
+        return History(seq.prompt_token_ids, seq.output_token_ids, seq.min_tokens_stop_ids,
+                       seq.bad_words_token_ids)
 
     @staticmethod
     def _record_speculation(seq: Sequence, drafted: int, accepted: int) -> None:

@@ -2,7 +2,7 @@
 
 A sequence finishes with
 - "stop": the end-of-sequence token (unless `ignore_eos`), a `stop_token_ids` entry, or a stop
-  string. A stop string is cut from the text together with everything after it;
+  string, once it has `min_tokens` tokens. A stop string is cut from the text together with everything after it;
 - "length": `max_tokens` generated, or the context (`max_model_len`) is full.
 
 Text is decoded from all output tokens each time (not token by token): a character can span tokens
@@ -42,17 +42,19 @@ class OutputProcessor:
         seq.last_token_time = now
         seq.output_token_ids.append(token_id)
         if logprob_info is not None:
-            seq.logprobs.append(self.logprob_dict(token_id, logprob_info))
+            if seq.logprobs is not None:        # else only best_of's ranking needs the logprob
+                seq.logprobs.append(self.logprob_dict(token_id, logprob_info))
             seq.cumulative_logprob += logprob_info[0]
         params = seq.params
+        may_stop = len(seq.output_token_ids) >= params.min_tokens  # vLLM: no stop before then
         if self.tokenizer is not None:
             previous_len = len(seq.text)
             seq.text = self.decode(seq.output_token_ids)
-            if self._check_stop_strings(seq, previous_len):
+            if may_stop and self._check_stop_strings(seq, previous_len):
                 return
-        if token_id in self.eos_token_ids and not params.ignore_eos:
+        if may_stop and token_id in self.eos_token_ids and not params.ignore_eos:
             self._finish(seq, "stop", None)
-        elif token_id in params.stop_token_ids:
+        elif may_stop and token_id in params.stop_token_ids:
             self._finish(seq, "stop", token_id)
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length", None)
@@ -94,16 +96,28 @@ class OutputProcessor:
                     break
         return end - held
 
-    def to_request_output(self, seq: Sequence) -> RequestOutput:
-        completion = CompletionOutput(
-            index=0, text=seq.text, token_ids=list(seq.output_token_ids),
+    @staticmethod
+    def completion(seq: Sequence, index: int) -> CompletionOutput:
+        tracked = seq.logprobs is not None or seq.params.ranks_samples
+        return CompletionOutput(
+            index=index, text=seq.text, token_ids=list(seq.output_token_ids),
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+            cumulative_logprob=seq.cumulative_logprob if tracked else None,
             logprobs=seq.logprobs)
+
+    def to_request_output(self, seq: Sequence) -> RequestOutput:
+        """One CompletionOutput per sample: all n in order, or with best_of the n of highest
+        cumulative logprob, best first. Latencies are the first sample's; the request finishes
+        when its last sample does."""
+        members = seq.members or [seq]
+        if seq.params.ranks_samples:
+            members = sorted(members, key=lambda m: -m.cumulative_logprob)[:seq.params.n]
+        completions = [self.completion(m, i) for i, m in enumerate(members)]
+        done = [m.finished_time for m in (seq.members or [seq]) if m.finished_time is not None]
         metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
-                                 seq.last_token_time, seq.finished_time,
+                                 seq.last_token_time, max(done) if done else None,
                                  len(seq.output_token_ids), seq.spec_steps, seq.spec_proposed,
                                  seq.spec_accepted,
                                  [a / p for a, p in zip(seq.spec_accepted_at, seq.spec_proposed_at)])
-        return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids), [completion],
-                             seq.is_finished, seq.prompt_logprobs, metrics)
+        return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids), completions,
+                             seq.group_finished, seq.prompt_logprobs, metrics)

@@ -1,9 +1,11 @@
 """Sampler: from one row of logits per sequence to one next token per sequence.
 
-Order of operations, the same as vLLM and transformers: temperature scales the logits, top-k keeps
-the k largest, top-p keeps the smallest prefix of the sorted distribution whose mass reaches p, then
-one token is drawn. Greedy rows (temperature 0) skip all of that and take the argmax. Returned
-logprobs are those of the model's own distribution (log-softmax of the raw logits), as in vLLM.
+Order of operations, the same as vLLM: the logits processors (logit_bias, min_tokens, bad_words,
+penalties: logits_processors.py), then temperature scales the logits, min-p drops the tokens far
+below the top one, top-k keeps the k largest, top-p keeps the smallest prefix of the sorted
+distribution whose mass reaches p, and one token is drawn. Greedy rows (temperature 0) take the
+argmax of the processed logits. Returned logprobs are those of the model's own distribution
+(log-softmax of the raw logits), as in vLLM.
 
 Reproducibility: a request with a `seed` draws from its own `torch.Generator`, so its tokens do not
 depend on which other requests share the batch; requests without one share the engine's generator.
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling_params import SamplingParams
+from .logits_processors import History, apply_min_p, process_logits
 
 
 @dataclass
@@ -54,20 +57,25 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> SampleResult:
-        """logits: (num_seqs, vocab) fp32, one row per sequence that needs a token."""
-        token_ids = logits.argmax(dim=-1).tolist()  # greedy for every row; sampled rows overwrite
+                 generators: list[torch.Generator | None],
+                 histories: list[History | None] | None = None) -> SampleResult:
+        """logits: (num_seqs, vocab) fp32, one row per sequence that needs a token. histories:
+        per row, the tokens its penalties and bans read (None where the request has none)."""
+        processed = process_logits(logits, params, histories or [None] * len(params))
+        token_ids = processed.argmax(dim=-1).tolist()  # greedy for every row; sampled overwrite
         for i, p in enumerate(params):
             if p.greedy:
                 continue
-            row = apply_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
+            row = apply_min_p(processed[i] / p.temperature, p.min_p)
+            row = apply_top_k_top_p(row, p.top_k, p.top_p)
             probs = row.softmax(-1).to("cpu")
             gen = generators[i] or self.generator
             token_ids[i] = int(torch.multinomial(probs, 1, generator=gen).item())
         logprobs = [None] * len(params)
-        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        # best_of ranks samples by cumulative logprob, so it needs the chosen token's at least.
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None or p.ranks_samples]
         if wanted:
             lps = torch.log_softmax(logits[wanted], dim=-1).cpu()
             for j, i in enumerate(wanted):
-                logprobs[i] = top_logprobs(lps[j], token_ids[i], params[i].logprobs)
+                logprobs[i] = top_logprobs(lps[j], token_ids[i], params[i].logprobs or 0)
         return SampleResult(token_ids, logprobs)

@@ -21,7 +21,11 @@ k lookahead slots for drafted tokens (`seq.num_lookahead`; the engine asks the d
 drafts after scheduling). k is the request's (or the engine's) num_speculative_tokens, cut to the
 budget, the context and the request's remaining max_tokens; the blocks for the lookahead are
 allocated like any others, and if the pool is short the lookahead is dropped before anybody is
-preempted. Drafted tokens count against max_num_batched_tokens.
+preempted. Drafted tokens count against max_num_batched_tokens. Requests whose logits depend on
+their own tokens (penalties, min_tokens, bad_words) and parallel samples are not drafted for.
+
+Parallel sampling: a request with n samples is admitted only when n sequence slots are free; its
+first sequence prefills the prompt, and the others join `running` when they fork (llm_engine.py).
 """
 from __future__ import annotations
 
@@ -127,8 +131,8 @@ class Scheduler:
     def _lookahead(self, seq: Sequence, spare_budget: int) -> int:
         """Drafts for a decoding sequence: its k, within the budget; the step emits at most k + 1
         tokens, which must fit the context and the request's max_tokens."""
-        if self.config.spec_config is None:
-            return 0
+        if self.config.spec_config is None or seq.params.uses_history or seq.params.best_of > 1:
+            return 0       # penalties and bans change with every token; samples share no drafts
         k = seq.params.num_speculative_tokens
         if k is None:
             k = self.config.spec_config.num_speculative_tokens
@@ -148,6 +152,9 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.members and not seq.forked and \
+                    len(self.running) + len(seq.members) > self.config.max_num_seqs:
+                break                   # its samples join it at its first token: keep them slots
             if seq.status == SequenceStatus.SWAPPED:
                 n = self._tokens_for(seq, budget, lookahead=False)
                 if n == 0 or not self.blocks.can_swap_in(seq.request_id,

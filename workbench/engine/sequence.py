@@ -3,6 +3,11 @@
 A sequence owns its tokens (prompt then output), knows how many of them already have keys and values
 in the KV cache (`num_computed_tokens`), and carries what the output processor accumulates (text,
 logprobs, finish reason) and the timestamps that TTFT and TPOT are computed from.
+
+A request with n > 1 (or best_of > 1) is a group: its first sequence is queued and prefills the
+prompt; when its first token is sampled, the other members fork its blocks (sharing them, copy on
+write) and each samples its own first token from the same logits. `members` lists the group on
+its first sequence.
 """
 from __future__ import annotations
 
@@ -54,6 +59,13 @@ class Sequence:
     spec_accepted_at: list[int] = field(default_factory=list)   # accepted count per draft position
     spec_proposed_at: list[int] = field(default_factory=list)   # verified count per draft position
     spec_steps: int = 0                       # verification steps
+    # Parallel sampling: the request's samples, on its first sequence (None for n = best_of = 1).
+    index: int = 0                            # which sample of its request this sequence is
+    members: list["Sequence"] | None = None
+    forked: bool = False                      # the other members have taken the prompt's blocks
+    # Logits processors that read the tokens so far (logits_processors.History).
+    min_tokens_stop_ids: frozenset[int] = frozenset()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -83,6 +95,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    @property
+    def group_finished(self) -> bool:
+        """Every sample of the request has finished (the sequence itself when it is alone)."""
+        return all(m.is_finished for m in (self.members or [self]))
 
     @property
     def prompt_logprobs_done(self) -> bool:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine.logits_processors import add_logit_bias, apply_min_p
 from ..engine.sampler import apply_top_k_top_p
 from ..sampling_params import SamplingParams
 
@@ -36,10 +37,10 @@ class Verified:
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """(rows, vocab) fp32 probabilities after temperature, top-k and top-p, one row at a time as
-    the sampler does."""
-    rows = [apply_top_k_top_p(row / params.temperature, params.top_k, params.top_p)
-            for row in logits.float()]
+    """(rows, vocab) fp32 probabilities after temperature, min-p, top-k and top-p, one row at a
+    time as the sampler does (logit_bias is already in the logits: verify adds it)."""
+    rows = [apply_top_k_top_p(apply_min_p(row / params.temperature, params.min_p), params.top_k,
+                              params.top_p) for row in logits.float()]
     return torch.stack(rows).softmax(-1)
 
 
@@ -79,6 +80,9 @@ def verify_sampled(target_probs: torch.Tensor, drafts: list[int], draft_probs: t
 
 def verify(target_logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,
            params: SamplingParams, generator: torch.Generator) -> Verified:
+    """Requests whose logits depend on the tokens so far (penalties, bans) are never drafted
+    for (scheduler.py), so one bias for all k + 1 rows is exact."""
+    target_logits = add_logit_bias(target_logits, params.logit_bias)
     if params.greedy:
         return verify_greedy(target_logits, drafts)
     return verify_sampled(processed_probs(target_logits, params), drafts, draft_probs, generator)
