@@ -5,6 +5,11 @@ request, abort one) on a queue and get their answers through futures on their ev
 every step the engine thread publishes each live request's new output as a `Delta` on the
 request's asyncio.Queue (loop.call_soon_threadsafe). A request's stream ends with a Delta whose
 `finished` is true, carrying the RequestOutput (with its metrics).
+
+Admission control (admission.py) reads plain attributes instead of asking the thread: the
+coroutine side counts what it submitted (`num_submitted`, `submitted_tokens`), the engine thread
+counts what it took off the command queue (`num_taken`, `taken_tokens`) and publishes, after
+each step, its waiting sequences and their prompt tokens. Each counter has one writer.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from ..llm import LLM
 from ..engine.output_processor import OutputProcessor
 from ..outputs import Logprob, RequestOutput
 from ..sampling_params import SamplingParams
+from .admission import Admission, QueueState
 
 
 @dataclass
@@ -40,6 +46,7 @@ class _Stream:
     tokens_sent: int = 0
     num_prompt_tokens: int = 0
     last_token_time: float | None = None
+    scheduled: bool = False
 
 
 class EngineStopped(RuntimeError):
@@ -47,11 +54,23 @@ class EngineStopped(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, llm: LLM, metrics=None):
+    def __init__(self, llm: LLM, metrics=None, admission: Admission | None = None,
+                 max_prompt_tokens: int | None = None):
         """metrics: a ServerMetrics (metrics.py), fed on the engine thread: every step record,
-        every gap between a request's tokens, every finished request."""
+        every gap between a request's tokens, every finished request. admission: the waiting
+        bounds checked at submit. max_prompt_tokens: refuse longer prompts (after tokenizing)."""
         self.llm, self.engine = llm, llm.engine
         self.metrics = metrics
+        self.admission = admission
+        self.max_prompt_tokens = max_prompt_tokens
+        # Written by the coroutine side only.
+        self.num_submitted = 0
+        self.submitted_tokens = 0
+        # Written by the engine thread only.
+        self.num_taken = 0
+        self.taken_tokens = 0
+        self.num_waiting = 0
+        self.waiting_prompt_tokens = 0
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -64,21 +83,39 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ the coroutine side
     async def submit(self, prompt: str | list[int] | Callable, params: SamplingParams,
-                     priority: int = 0, request_id: str | None = None) -> "RequestStream":
+                     priority: int = 0, request_id: str | None = None,
+                     prompt_tokens: int = 1) -> "RequestStream":
         """Queue one request; returns its stream of Deltas once the engine accepted it. `prompt`
         may be a callable returning token ids (run on the engine thread: chat templates use the
-        engine's tokenizer). An invalid request raises the engine's ValueError here."""
+        engine's tokenizer). `prompt_tokens` estimates its prompt length for the admission
+        bounds (a Refusal past them). An invalid request raises the engine's ValueError here."""
         if self._stopping:
             raise EngineStopped("the server is shutting down")
         if self.error is not None:
             raise EngineStopped(f"the engine failed: {self.error!r}")
+        if self.admission is not None:
+            self.admission.admit(self.queue_state(), prompt_tokens)
         loop = asyncio.get_running_loop()
         request_id = request_id or f"req-{next(self._ids)}"
         stream = _Stream(loop, asyncio.Queue())
         added = loop.create_future()
-        self._post(("add", request_id, prompt, params, priority, stream, added))
+        self.num_submitted += 1
+        self.submitted_tokens += prompt_tokens
+        self._post(("add", request_id, prompt, params, priority, stream, added, prompt_tokens))
         await added
         return RequestStream(self, request_id, stream)
+
+    def queue_state(self) -> QueueState:
+        """Accepted but not yet scheduled: in the command queue, or waiting in the engine. The
+        engine thread publishes its counts before it counts the commands it took, so a request
+        in between is counted twice rather than missed."""
+        taken, taken_tokens = self.num_taken, self.taken_tokens
+        return QueueState(self.num_submitted - taken + self.num_waiting,
+                          self.submitted_tokens - taken_tokens + self.waiting_prompt_tokens)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
 
     def _post(self, command) -> None:
         self._commands.put(command)
@@ -97,6 +134,7 @@ class AsyncEngine:
                     if self.metrics is not None and len(self.engine.trace) > before:
                         self.metrics.observe_step(self.engine, self.engine.trace[-1])
                     self._publish()
+                    self._publish_waiting()
                 else:
                     if self.metrics is not None:
                         self.metrics.idle(self.engine)
@@ -109,38 +147,67 @@ class AsyncEngine:
             self._streams.clear()
 
     def _drain_commands(self) -> None:
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if command[0] == "add":
-                _, rid, prompt, params, priority, stream, added = command
+        handled = taken = taken_tokens = 0
+        try:
+            while True:
                 try:
-                    if callable(prompt):
-                        prompt = prompt()
-                    self.engine.add_request(prompt, params, request_id=rid, priority=priority)
-                    stream.num_prompt_tokens = len(self.engine.get_sequence(rid).prompt_token_ids)
-                    self._streams[rid] = stream
-                    stream.loop.call_soon_threadsafe(_resolve, added, None)
-                except Exception as err:               # ValueError: the request is invalid
-                    stream.loop.call_soon_threadsafe(_resolve, added, err)
-            elif command[0] == "abort":
-                rid = command[1]
-                if self._streams.pop(rid, None) is not None:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    return
+                handled += 1
+                if command[0] == "add":
+                    taken += 1
+                    taken_tokens += command[7]
+                self._handle(command)
+        finally:
+            if handled:
+                self._publish_waiting()
+                self.num_taken += taken
+                self.taken_tokens += taken_tokens
+
+    def _handle(self, command) -> None:
+        if command[0] == "add":
+            _, rid, prompt, params, priority, stream, added, _ = command
+            try:
+                if callable(prompt):
+                    prompt = prompt()
+                self.engine.add_request(prompt, params, request_id=rid, priority=priority)
+                n = len(self.engine.get_sequence(rid).prompt_token_ids)
+                if self.max_prompt_tokens is not None and n > self.max_prompt_tokens:
                     self.engine.abort_request(rid)
-            elif command[0] == "stop":
-                self._stopping = True
-                for rid in list(self._streams):        # whatever is still running ends here
-                    stream = self._streams.pop(rid)
-                    self.engine.abort_request(rid)
-                    stream.loop.call_soon_threadsafe(
-                        stream.queue.put_nowait, Delta("", [], finished=True,
-                                                       finish_reason="abort"))
+                    raise ValueError(f"prompt is too long: {n} tokens, and this server "
+                                     f"allows at most {self.max_prompt_tokens} "
+                                     "(--max-prompt-tokens)")
+                stream.num_prompt_tokens = n
+                self._streams[rid] = stream
+                stream.loop.call_soon_threadsafe(_resolve, added, None)
+            except Exception as err:               # ValueError: the request is invalid
+                stream.loop.call_soon_threadsafe(_resolve, added, err)
+        elif command[0] == "abort":
+            rid = command[1]
+            if self._streams.pop(rid, None) is not None:
+                self.engine.abort_request(rid)
+        elif command[0] == "stop":
+            self._stopping = True
+            for rid in list(self._streams):        # whatever is still running ends here
+                stream = self._streams.pop(rid)
+                self.engine.abort_request(rid)
+                stream.loop.call_soon_threadsafe(
+                    stream.queue.put_nowait, Delta("", [], finished=True,
+                                                   finish_reason="abort"))
+
+    def _publish_waiting(self) -> None:
+        waiting = [seq for s in self.engine.schedulers for seq in s.waiting]
+        self.waiting_prompt_tokens = sum(seq.num_prompt_tokens for seq in waiting)
+        self.num_waiting = len(waiting)
 
     def _publish(self) -> None:
         for rid, stream in list(self._streams.items()):
             seq = self.engine.get_sequence(rid)
+            if not stream.scheduled and seq.first_scheduled_time is not None:
+                stream.scheduled = True            # it left the waiting queue: the drain rate
+                if self.admission is not None:
+                    self.admission.drain.note()
             stable = OutputProcessor.stable_text_len(seq)
             new_tokens = len(seq.output_token_ids) - stream.tokens_sent
             if stable <= stream.text_sent and not new_tokens and not seq.is_finished:
