@@ -1,6 +1,7 @@
 """The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus /health
 and /metrics. Responses follow the OpenAI schema (choices, finish_reason, usage, logprobs, SSE
-chunks ending with `data: [DONE]`)."""
+chunks ending with `data: [DONE]`). Keys, limits, screening, rate limits and the access log live
+in gateway.py (a middleware and a stream wrapper); the waiting bounds in admission.py."""
 from __future__ import annotations
 
 import json
@@ -8,16 +9,25 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from .admission import Refusal
 from .async_engine import AsyncEngine, Delta, EngineStopped, RequestStream
+from .gateway import (Gateway, GuardedStream, ServingPolicy, current_request, note_refusal,
+                      shutdown_retry_after, sse_errors)
 from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, param_of
+from .security import ApiKeys, KeySpec, Screen
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
-              shutdown_timeout: float = 10.0) -> FastAPI:
+              shutdown_timeout: float = 10.0, policy: ServingPolicy | None = None,
+              screen_input: Screen | None = None,
+              screen_output: Screen | None = None) -> FastAPI:
+    """policy: keys, limits, filters, rate limits, timeout, access log (gateway.py); `api_key`
+    adds one key named "key-1". screen_input / screen_output: `f(text) -> policy name | None`,
+    run on prompts and messages / on generated text after the policy's own patterns."""
     @asynccontextmanager
     async def lifespan(app):
         yield
@@ -25,11 +35,22 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     app = FastAPI(title="inference workbench", lifespan=lifespan)
     max_model_len = engine.engine.config.max_model_len
+    policy = policy if policy is not None else ServingPolicy()
+    if api_key is not None and policy.api_keys is None:
+        policy.api_keys = ApiKeys([KeySpec("key-1", api_key)])
+    policy.input_filter.screens += [screen_input] if screen_input else []
+    policy.output_filter.screens += [screen_output] if screen_output else []
+    retry_after = shutdown_retry_after(shutdown_timeout)
+    app.add_middleware(Gateway, policy=policy, engine=engine, max_model_len=max_model_len,
+                       shutdown_retry_after=retry_after)
 
     # ------------------------------------------------------------------ errors and auth
     @app.exception_handler(OpenAIError)
     async def _openai_error(request, err: OpenAIError):
-        return JSONResponse(err.body(), status_code=err.status)
+        if isinstance(err, Refusal):
+            note_refusal(err)
+        return JSONResponse(err.body(), status_code=err.status,
+                            headers=getattr(err, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, err: RequestValidationError):
@@ -42,27 +63,24 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                             f"(got {first.get('input')!r:.80})", loc[0] if loc else None)
         return JSONResponse(e.body(), status_code=400)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                e = OpenAIError("the API key is missing or wrong: send 'Authorization: Bearer "
-                                "<key>'", status=401, code="invalid_api_key")
-                return JSONResponse(e.body(), status_code=401)
-        return await call_next(request)
-
     def check_model(name: str | None) -> None:
         if name not in (None, model_name):
             raise OpenAIError(f"model={name!r} is invalid: this server serves {model_name!r}",
                               "model", code="model_not_found")
 
-    async def submit(prompt, params, priority) -> RequestStream:
+    async def submit(prompt, params, priority) -> GuardedStream:
+        ctx = current_request()
         try:
-            return await engine.submit(prompt, params, priority)
+            stream = await engine.submit(prompt, params, priority,
+                                         prompt_tokens=ctx.prompt_estimate if ctx else 1)
         except EngineStopped as err:
+            if engine.stopping:
+                raise Refusal(str(err), "shutting_down", status=503, kind="server_error",
+                              retry_after=retry_after) from None
             raise OpenAIError(str(err), status=503, kind="server_error") from None
         except ValueError as err:
             raise OpenAIError(str(err), param_of(str(err))) from None
+        return GuardedStream(stream, ctx, policy)
 
     # ------------------------------------------------------------------ plain endpoints
     @app.get("/health")
@@ -88,7 +106,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
         check_model(body.model)
-        params = body.sampling_params(16, body.logprobs)
+        params = body.sampling_params(policy.limits.default_max_tokens(16), body.logprobs)
         stream = await submit(body.prompt_input(), params, body.priority)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         n_top = body.logprobs
@@ -120,7 +138,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                     yield "data: [DONE]\n\n"
                 finally:
                     stream.abort()            # a disconnected client: free the blocks now
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(sse_errors(events()), media_type="text/event-stream")
 
         whole = await collect(stream)
         return chunk([choice(whole, whole.text, 0)],
@@ -131,7 +149,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def chat(body: ChatCompletionRequest):
         check_model(body.model)
         n_top = body.chat_logprobs()
-        params = body.sampling_params(max_model_len, n_top)
+        params = body.sampling_params(policy.limits.default_max_tokens(max_model_len), n_top)
         messages = [m.model_dump() for m in body.messages]
         stream = await submit(lambda: engine.llm.apply_chat_template(messages), params,
                               body.priority)
@@ -169,7 +187,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                     yield "data: [DONE]\n\n"
                 finally:
                     stream.abort()
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(sse_errors(events()), media_type="text/event-stream")
 
         whole = await collect(stream)
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
@@ -180,7 +198,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     return app
 
 
-async def collect(stream: RequestStream) -> Delta:
+async def collect(stream: RequestStream | GuardedStream) -> Delta:
     """A whole (non-streamed) answer: every Delta of the request joined into one."""
     whole = Delta("", [], [])
     try:
