@@ -189,6 +189,16 @@ class LLM:
                 if self.engine.get_sequence(r) is not None:
                     self.engine.abort_request(r)
 
+    def beam_search(self, prompts, params: "BeamSearchParams") -> list["BeamSearchOutput"]:
+        """transformers' beam search (generate(num_beams=...)) with beams that share KV blocks:
+        one BeamSearchOutput per prompt, its beam_width hypotheses best first."""
+        from .engine.beam_search import BeamSearchParams, beam_search
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params={params!r:.60} is invalid: pass a BeamSearchParams")
+        if isinstance(prompts, str) or _is_token_ids(prompts) or isinstance(prompts, dict):
+            prompts = [prompts]
+        return beam_search(self.engine, list(prompts), params)
+
     def chat(self, messages, sampling_params: SamplingParams | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """messages: one conversation ([{"role": ..., "content": ...}, ...]) or a list of them."""
