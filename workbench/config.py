@@ -130,6 +130,10 @@ class EngineConfig:
     kv_cache_layout: str = "paged"       # "contiguous" reserves max_model_len per sequence
     enable_prefix_caching: bool = False
     enable_chunked_prefill: bool = True
+    # SLO-aware batching: a target decode step time in seconds (the TPOT a running request feels).
+    # Steps that carry decodes and run over it halve the tokens prefill chunks may take; steps
+    # well under it give some back (scheduler.py). None: a fixed budget, max_num_batched_tokens.
+    tpot_slo: float | None = None
     preemption_mode: str = "recompute"   # or "swap" (to CPU memory)
     swap_space: int | None = None        # bytes of CPU memory for swapped blocks (default: pool size)
     record_block_tables: bool = False    # copy every sequence's block table into each StepRecord
@@ -190,6 +194,15 @@ class EngineConfig:
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant={self.batch_invariant!r} is invalid: allowed are "
                              "True, False")
+        if self.tpot_slo is not None:
+            if isinstance(self.tpot_slo, bool) or not isinstance(self.tpot_slo, (int, float)) \
+                    or not self.tpot_slo > 0:
+                raise ValueError(f"tpot_slo={self.tpot_slo!r} is invalid: it must be a number of "
+                                 "seconds > 0, or None")
+            if self.batch_invariant:
+                raise ValueError("tpot_slo is invalid with batch_invariant=True: its prefill "
+                                 "chunks would depend on timing, and batch-invariant chunks "
+                                 "must not")
         if self.batch_invariant and self.compile:
             raise ValueError("compile=True is invalid with batch_invariant=True: compiled kernels "
                              "may sum in another order for another token count; set compile=False")

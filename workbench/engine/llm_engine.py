@@ -516,6 +516,7 @@ class LLMEngine:
         finished = scheduler.free_finished()
         self._release_finished(finished)
         t5 = time.perf_counter()
+        scheduler.observe_step(t5 - t0, batch.num_decode_tokens)
         pool = self.blocks.pool
         self.trace.append(StepRecord(
             step=len(self.trace), num_seqs=len(batch.seqs),
@@ -538,7 +539,8 @@ class LLMEngine:
             spec=spec, spec_tokens=spec_tokens, num_draft_tokens=sum(d for _, d, _ in spec),
             num_accepted_tokens=sum(a for _, _, a in spec),
             schedule_s=t1 - t0, draft_s=t_draft - t1, prepare_s=t2 - t_draft, forward_s=t3 - t2,
-            sample_s=t4 - t3, postprocess_s=t5 - t4, total_s=t5 - t0, **comm))
+            sample_s=t4 - t3, postprocess_s=t5 - t4, total_s=t5 - t0,
+            prefill_budget=scheduler.prefill_budget, **comm))
         return batch.seqs
 
     def _fork_groups(self, scheduler, sampled: list[Sequence], logits: torch.Tensor):

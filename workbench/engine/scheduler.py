@@ -24,6 +24,12 @@ allocated like any others, and if the pool is short the lookahead is dropped bef
 preempted. Drafted tokens count against max_num_batched_tokens. Requests whose logits depend on
 their own tokens (penalties, min_tokens, bad_words) and parallel samples are not drafted for.
 
+SLO-aware batching (`tpot_slo`): a step that carries decodes also carries prefill chunks, so
+its time, the TPOT every decoding request feels, grows with the prefill tokens it takes. With a
+target, prefill tokens per step are capped by `prefill_budget`, adapted like TCP's window: a
+decode step over the target halves it (down to one block), one under 80% of it adds an eighth of
+max_num_batched_tokens back. Without decodes running, prefill takes the whole budget.
+
 Parallel sampling: a request with n samples is admitted only when n sequence slots are free; its
 first sequence prefills the prompt, and the others join `running` when they fork (llm_engine.py).
 """
@@ -62,6 +68,17 @@ class Scheduler:
         # With pipeline parallelism several schedulers share one block pool; a sequence that does
         # not fit while another scheduler's sequences hold blocks must wait, not end.
         self.others_hold_blocks = lambda: False
+        self.prefill_budget = config.max_num_batched_tokens    # adapted with tpot_slo
+
+    def observe_step(self, seconds: float, num_decode_tokens: int) -> None:
+        """Adapt the prefill budget to the last step's time (only with tpot_slo)."""
+        slo, top = self.config.tpot_slo, self.config.max_num_batched_tokens
+        if slo is None or num_decode_tokens == 0:
+            return
+        if seconds > slo:
+            self.prefill_budget = max(self.config.block_size, self.prefill_budget // 2)
+        elif seconds < 0.8 * slo:
+            self.prefill_budget = min(top, self.prefill_budget + max(1, top // 8))
 
     # ------------------------------------------------------------------ queues
     def add(self, seq: Sequence) -> None:
@@ -85,10 +102,13 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         batch = ScheduledBatch([], [], 0, 0)
         self.running.sort(key=lambda s: s.sort_key)
+        decoding = any(s.num_uncomputed_tokens == 1 for s in self.running)
+        prefill_left = self.prefill_budget if self.config.tpot_slo and decoding else budget
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._tokens_for(seq, budget)
+            prefilling = seq.num_uncomputed_tokens > 1
+            n = self._tokens_for(seq, min(budget, prefill_left) if prefilling else budget)
             if n == 0:
                 i += 1
                 continue
@@ -108,9 +128,11 @@ class Scheduler:
             else:
                 self._add(batch, seq, n)
                 budget -= n
+                if prefilling:
+                    prefill_left -= n
                 i += 1
         if not batch.preempted:
-            self._admit(batch, budget)
+            self._admit(batch, min(budget, prefill_left))
         return batch
 
     def _tokens_for(self, seq: Sequence, budget: int, lookahead: bool = True) -> int:

@@ -54,6 +54,8 @@ class StepRecord:
     num_in_flight: int = 1
     # With EngineConfig.record_block_tables: request id -> its block ids after this step.
     block_tables: dict[str, list[int]] | None = None
+    # Prefill tokens the next step may take (max_num_batched_tokens unless tpot_slo adapts it).
+    prefill_budget: int | None = None
 
     @property
     def num_tokens(self) -> int:
