@@ -440,3 +440,157 @@ def test_access_log_has_one_json_line_per_request(gw):
     reasons = {line["rejection"] for line in lines}
     assert {"queue_full", "content_policy", "invalid", "too_large"} <= reasons
     assert any(line["finish_reason"] == "content_filter" for line in lines)
+
+
+# ---------------------------------------------------------------------------- the tls server
+TLS_KEY = "sk-tls"
+
+
+def self_signed_certificate(folder) -> tuple[str, str]:
+    """(certificate, key) files for 127.0.0.1, from `cryptography` or the openssl CLI."""
+    cert, key = str(folder / "cert.pem"), str(folder / "key.pem")
+    try:
+        import datetime
+        import ipaddress
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+    except ImportError:
+        if shutil.which("openssl") is None:
+            pytest.skip("no way to make a certificate: neither the cryptography package nor "
+                        "the openssl command is installed")
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                        "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", key, "-out", cert,
+                        "-days", "1", "-subj", "/CN=127.0.0.1", "-addext",
+                        "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+        return cert, key
+    private = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certificate = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+                   .public_key(private.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.SubjectAlternativeName(
+                       [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+                   .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                   .sign(private, hashes.SHA256()))
+    with open(cert, "wb") as f:
+        f.write(certificate.public_bytes(serialization.Encoding.PEM))
+    with open(key, "wb") as f:
+        f.write(private.private_bytes(serialization.Encoding.PEM,
+                                      serialization.PrivateFormat.TraditionalOpenSSL,
+                                      serialization.NoEncryption()))
+    return cert, key
+
+
+class TlsProbe:
+    """start_server's readiness probe over HTTPS with the key (its own is plain HTTP)."""
+    HTTPError = httpx.HTTPError
+
+    def __init__(self, context: ssl.SSLContext):
+        self.context = context
+
+    def get(self, url, **kw):
+        return httpx.get(url.replace("http://", "https://", 1), verify=self.context,
+                         headers=auth(TLS_KEY), **kw)
+
+
+@pytest.fixture(scope="module")
+def tls(tiny_folder, tmp_path_factory):
+    cert, key = self_signed_certificate(tmp_path_factory.mktemp("tls"))
+    context = ssl.create_default_context(cafile=cert)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(test_serve, "httpx", TlsProbe(context))
+        proc, url = start_server(
+            tiny_folder, "--ssl-certfile", cert, "--ssl-keyfile", key, "--api-key", TLS_KEY,
+            "--protect-metrics", "--request-timeout", "1.5", "--max-model-len", "2048",
+            "--max-num-seqs", "1", "--shutdown-timeout", "30")
+    yield {"url": url.replace("http://", "https://", 1), "context": context, "proc": proc}
+    stop_server(proc)
+
+
+def test_the_openai_client_over_tls(tls):
+    with httpx.Client(verify=tls["context"]) as http:
+        client = openai.OpenAI(base_url=f"{tls['url']}/v1", api_key=TLS_KEY, max_retries=0,
+                               http_client=http)
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        r = client.chat.completions.create(model=MODEL, max_tokens=3,
+                                           messages=[{"role": "user", "content": "hi"}])
+        assert r.choices[0].finish_reason in ("length", "stop")
+    with pytest.raises(httpx.HTTPError):                 # nobody trusts an unknown certificate
+        httpx.get(f"{tls['url']}/v1/models", headers=auth(TLS_KEY))
+
+
+def test_protected_metrics_and_health(tls):
+    url, ctx = tls["url"], tls["context"]
+    before = httpx.get(f"{url}/metrics", verify=ctx, headers=auth(TLS_KEY)).text
+    for path in ("/metrics", "/health"):
+        r = httpx.get(f"{url}{path}", verify=ctx)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{url}{path}", verify=ctx, headers=auth("nope")).status_code == 401
+        assert httpx.get(f"{url}{path}", verify=ctx, headers=auth(TLS_KEY)).status_code == 200
+    after = httpx.get(f"{url}/metrics", verify=ctx, headers=auth(TLS_KEY)).text
+    assert rejected(after, "unauthorized") - rejected(before, "unauthorized") == 4
+
+
+def test_request_timeout_aborts_and_frees_the_blocks(tls):
+    """--request-timeout 1.5, one sequence at a time: the streamed request runs past it (its
+    stream ends with an error event and [DONE]); the one waiting behind it too (a 504)."""
+    url, ctx = tls["url"], tls["context"]
+    before = httpx.get(f"{url}/metrics", verify=ctx, headers=auth(TLS_KEY)).text
+    long = {"prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": True}
+
+    async def scenario():
+        async with httpx.AsyncClient(verify=ctx, headers=auth(TLS_KEY), timeout=60) as client:
+            async def streamed():
+                async with client.stream("POST", f"{url}/v1/completions",
+                                         json={**long, "stream": True}) as r:
+                    return [line async for line in r.aiter_lines() if line.startswith("data: ")]
+            a = asyncio.create_task(streamed())
+            await asyncio.sleep(0.2)
+            return await a, await client.post(f"{url}/v1/completions", json=long)
+
+    events, waited = asyncio.run(scenario())
+    assert events[-1] == "data: [DONE]"
+    err = json.loads(events[-2][6:])["error"]
+    assert err["code"] == "timeout" and "request-timeout=1.5" in err["message"]
+    assert all("choices" in json.loads(e[6:]) for e in events[:-2])
+    assert waited.status_code == 504 and waited.json()["error"]["code"] == "timeout"
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        after = httpx.get(f"{url}/metrics", verify=ctx, headers=auth(TLS_KEY)).text
+        if metric(after, "workbench:kv_cache_usage_perc") == 0 and \
+                metric(after, "workbench:num_requests_running") == 0:
+            break
+        time.sleep(0.1)
+    assert metric(after, "workbench:kv_cache_usage_perc") == 0
+    assert rejected(after, "timeout") - rejected(before, "timeout") == 2
+    assert success(after) == success(before)         # neither finished: both were aborted
+
+
+def test_shutting_down_refuses_with_503_and_retry_after(tls):
+    """A request whose headers arrived before SIGTERM and whose body arrives after it is
+    refused (uvicorn no longer accepts connections, so this is how a request meets a shutdown)."""
+    host, port = tls["url"].removeprefix("https://").split(":")
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    raw = socket.create_connection((host, int(port)), timeout=30)
+    with tls["context"].wrap_socket(raw, server_hostname=host) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nAuthorization: Bearer " + TLS_KEY.encode() +
+                     b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body[:5])
+        time.sleep(0.5)
+        tls["proc"].send_signal(signal.SIGTERM)
+        time.sleep(1.5)
+        conn.sendall(body[5:])
+        response = b""
+        while chunk := conn.recv(65536):
+            response += chunk
+    head, _, payload = response.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503"), response
+    retry = re.search(rb"(?im)^retry-after: (\d+)\r?$", head)
+    assert retry and 1 <= int(retry.group(1)) <= 60
+    assert json.loads(payload)["error"]["code"] == "shutting_down"
+    assert tls["proc"].wait(30) is not None
