@@ -26,8 +26,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
               screen_input: Screen | None = None,
               screen_output: Screen | None = None) -> FastAPI:
     """policy: keys, limits, filters, rate limits, timeout, access log (gateway.py); `api_key`
-    adds one key named "key-1". screen_input / screen_output: `f(text) -> policy name | None`,
-    run on prompts and messages / on generated text after the policy's own patterns."""
+    adds one key to them (named key-<n>). screen_input / screen_output:
+    `f(text) -> policy name | None`, run on prompts and messages / on generated text, after the
+    policy's own patterns."""
     @asynccontextmanager
     async def lifespan(app):
         yield
@@ -36,8 +37,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     app = FastAPI(title="inference workbench", lifespan=lifespan)
     max_model_len = engine.engine.config.max_model_len
     policy = policy if policy is not None else ServingPolicy()
-    if api_key is not None and policy.api_keys is None:
-        policy.api_keys = ApiKeys([KeySpec("key-1", api_key)])
+    if api_key is not None:
+        specs = policy.api_keys.specs if policy.api_keys is not None else []
+        policy.api_keys = ApiKeys([*specs, KeySpec(f"key-{len(specs) + 1}", api_key)])
     policy.input_filter.screens += [screen_input] if screen_input else []
     policy.output_filter.screens += [screen_output] if screen_output else []
     retry_after = shutdown_retry_after(shutdown_timeout)

@@ -49,7 +49,9 @@ class ServingPolicy:
     input_filter: ContentFilter = field(default_factory=ContentFilter)
     output_filter: ContentFilter = field(default_factory=ContentFilter)
     request_timeout: float | None = None       # seconds from arrival to the last token
-    access_log: logging.Logger | None = None
+    # JSON lines at INFO; `python -m workbench serve` gives it a handler (make_access_logger).
+    access_log: logging.Logger | None = field(
+        default_factory=lambda: logging.getLogger(ACCESS_LOGGER))
 
 
 @dataclass
@@ -194,8 +196,10 @@ class Gateway:
 
     @staticmethod
     def _too_large(size: str, limit: int) -> Refusal:
-        return Refusal(f"the request body is {size}, and this server accepts at most {limit} "
-                       "bytes (--max-body-bytes); HTTP 413", "too_large", status=413)
+        refusal = Refusal(f"the request body is {size}, and this server accepts at most {limit} "
+                          "bytes (--max-body-bytes); HTTP 413", "too_large", status=413)
+        refusal.headers = {"Connection": "close"}    # the client need not upload the rest
+        return refusal
 
     def _screen(self, ctx: RequestContext, body: dict) -> None:
         p = self.policy
