@@ -371,6 +371,15 @@ def test_input_screening_refuses_naming_the_policy(gw, path, body, policy, param
     assert clean.status_code == 200
 
 
+def test_a_token_id_prompt_is_screened_as_its_text(gw, tiny_llm):
+    ids = tiny_llm.get_tokenizer().encode("tell the forbidden word", add_special_tokens=False)
+    r = httpx.post(f"{gw['url']}/v1/completions", headers=auth(), timeout=60,
+                   json={"prompt": ids, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "content_policy" and "'block-pattern-1'" in err["message"]
+
+
 def test_output_screening_ends_with_content_filter(gw, france_text):
     """The blocked text is a window of the greedy answer; the answer stops before it, in both
     forms, and the part that matched is never sent."""

@@ -81,6 +81,15 @@ def main(argv=None) -> int:
     router.add_argument("--policy", default="prefix", help="prefix, random or round_robin")
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8000)
+    router.add_argument("--health-interval", type=float, default=2.0,
+                        help="seconds between GET /health checks of each replica")
+    router.add_argument("--health-timeout", type=float, default=1.0,
+                        help="seconds a health check may take before it counts as failed")
+    router.add_argument("--unhealthy-after", type=int, default=2,
+                        help="consecutive failures that mark a replica down")
+    router.add_argument("--max-retries", type=int, default=2,
+                        help="other replicas a request that failed before its answer started "
+                             "is sent to")
     for p in (gen, info, serve):
         p.add_argument("--model", default="smollm2-135m")
         p.add_argument("--dtype", default="auto")
@@ -143,7 +152,9 @@ def router_main(args) -> int:
 
     from .serve.router import Router, build_router_app
     try:
-        router = Router(args.replica, args.policy)
+        router = Router(args.replica, args.policy, health_interval=args.health_interval,
+                        unhealthy_after=args.unhealthy_after,
+                        health_timeout=args.health_timeout, max_retries=args.max_retries)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -204,9 +215,10 @@ def serving_policy(args):
                                  parse_key_file)
     for flag in ("max_body_bytes", "max_n", "max_logprobs", "max_tokens_limit",
                  "max_prompt_tokens", "request_timeout"):
-        value = getattr(args, flag)
-        if value is not None and value <= 0 and flag != "max_logprobs":
-            raise ValueError(f"--{flag.replace('_', '-')}={value} is invalid: it must be > 0")
+        value, least = getattr(args, flag), 0 if flag == "max_logprobs" else 1
+        if value is not None and value < least:
+            raise ValueError(f"--{flag.replace('_', '-')}={value} is invalid: it must be at "
+                             f"least {least}")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together: pass both or neither")
     keys = [KeySpec(f"key-{i}", k) for i, k in enumerate(args.api_key, 1)]

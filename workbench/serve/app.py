@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from .admission import Refusal
 from .async_engine import AsyncEngine, Delta, EngineStopped, RequestStream
 from .gateway import (Gateway, GuardedStream, ServingPolicy, current_request, note_refusal,
-                      shutdown_retry_after, sse_errors)
+                      screened_token_prompt, shutdown_retry_after, sse_errors)
 from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, param_of
 from .security import ApiKeys, KeySpec, Screen
 
@@ -72,6 +72,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     async def submit(prompt, params, priority) -> GuardedStream:
         ctx = current_request()
+        prompt = screened_token_prompt(prompt, policy.input_filter, engine.engine.tokenizer)
         try:
             stream = await engine.submit(prompt, params, priority,
                                          prompt_tokens=ctx.prompt_estimate if ctx else 1)

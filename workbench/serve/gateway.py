@@ -138,6 +138,9 @@ class Gateway:
                 ctx.status = 499
                 return
             await self.app(scope, receive, send_tagged)
+        except Exception:
+            ctx.status = ctx.status or 500      # the error middleware outside answers it
+            raise
         finally:
             _CURRENT.reset(token)
             self._finish(ctx)
@@ -324,6 +327,24 @@ class GuardedStream:
             released = self._held.pop(0)
             self._released += len(released.text)
             self._ready.append(released)
+
+
+def screened_token_prompt(prompt, content_filter: ContentFilter, tokenizer):
+    """A token-id prompt, screened as the text it decodes to: a callable the engine thread runs
+    (it owns the tokenizer) before adding the request. Other prompts are screened as text by
+    the gateway and pass through unchanged."""
+    if not content_filter or tokenizer is None or not isinstance(prompt, list) or \
+            not all(isinstance(t, int) for t in prompt):
+        return prompt
+
+    def ids():
+        try:
+            text = tokenizer.decode(prompt)
+        except Exception:                       # ids out of the vocabulary: the engine says so
+            return prompt
+        screen_input(content_filter, {"prompt": text})
+        return prompt
+    return ids
 
 
 async def sse_errors(events):
