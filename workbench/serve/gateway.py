@@ -115,7 +115,7 @@ class Gateway:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = Headers(scope=scope)
-        ctx = RequestContext(headers.get("x-request-id") or uuid.uuid4().hex[:16],
+        ctx = RequestContext((headers.get("x-request-id") or uuid.uuid4().hex[:16])[:128],
                              scope["method"], scope["path"], time.monotonic())
 
         async def send_tagged(message):
@@ -312,7 +312,8 @@ class GuardedStream:
             return
         self._held.append(delta)
         self._text += delta.text
-        policy, stop, complete = flt.first_match(self._text, partial=not delta.finished)
+        policy, stop, complete = flt.first_match(self._text, partial=not delta.finished,
+                                                 start=self._released)
         if complete:
             self.inner.abort()
             self._inner_done = True

@@ -245,14 +245,17 @@ class ContentFilter:
                 return str(policy)
         return None
 
-    def first_match(self, text: str, partial: bool) -> tuple[str | None, int | None, bool]:
+    def first_match(self, text: str, partial: bool,
+                    start: int = 0) -> tuple[str | None, int | None, bool]:
         """Over generated text: (policy, where the text must stop, complete). A complete match
         stops the text at the match's start; with `partial`, a pattern that could still match
-        as more text arrives holds the text back from where that match would begin. A callable
-        sees the whole text; its match stops the text where it was (None)."""
+        as more text arrives holds the text back from where that match would begin. Matches
+        are looked for from `start` on (text before it was released: no match can begin
+        there), with the whole text as context. A callable sees the whole text; its match
+        stops the text where it was (None)."""
         name, stop, complete = None, None, False
         for pname, pattern in self.patterns:
-            m = pattern.search(text, partial=partial)
+            m = pattern.search(text, start, partial=partial)
             if m is None:
                 continue
             if not m.partial:
