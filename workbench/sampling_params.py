@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .structured.params import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -38,6 +40,9 @@ class SamplingParams:
     min_tokens: end-of-sequence and stop_token_ids cannot end the output before this many tokens.
     bad_words: words that are never generated: the last token of each word's tokenization is
         banned whenever the output ends with the tokens before it.
+    structured_outputs: StructuredOutputsParams (or a dict of its fields): the output must match
+        a JSON schema, a regex, a choice or a grammar; a token bitmask from xgrammar masks every
+        sampling step.
     """
 
     temperature: float = 1.0
@@ -60,6 +65,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -149,6 +155,18 @@ class SamplingParams:
             raise ValueError(f"bad_words={self.bad_words!r:.80} is invalid: it must be a list of "
                              "non-empty str")
         self.bad_words = list(words) or None
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            try:
+                so = StructuredOutputsParams(**so)
+            except TypeError as err:
+                raise ValueError(f"structured_outputs={so!r:.80} is invalid: {err}; its fields "
+                                 "are json, regex, choice, grammar, json_object, "
+                                 "disable_any_whitespace") from None
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs={so!r:.80} is invalid: pass a "
+                             "StructuredOutputsParams, a dict of its fields, or None")
+        self.structured_outputs = so
 
     @property
     def greedy(self) -> bool:

@@ -102,6 +102,7 @@ class LLMEngine:
         self.trace: list[StepRecord] = []
         self._request_counter = itertools.count()
         self._sequences: dict[str, Sequence] = {}
+        self._grammars = None                        # structured outputs' compiler, when used
 
     def _load_model(self, config: EngineConfig) -> None:
         if is_quantized_checkpoint(self.checkpoint):
@@ -362,7 +363,17 @@ class LLMEngine:
             seq.min_tokens_stop_ids = frozenset(eos | set(params.stop_token_ids))
         if params.bad_words:
             seq.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        if params.structured_outputs is not None:
+            seq.grammar = self._grammar_compiler().new_state(params.structured_outputs)
         return seq
+
+    def _grammar_compiler(self):
+        """One xgrammar compiler for this tokenizer, built at the first structured request."""
+        if self._grammars is None:
+            from ..structured.grammar import GrammarCompiler
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_args.vocab_size,
+                                             stop_token_ids=self.output_processor.eos_token_ids)
+        return self._grammars
 
     def _check_processors(self, params: SamplingParams) -> None:
         vocab = self.model_args.vocab_size
@@ -373,6 +384,13 @@ class LLMEngine:
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words need a tokenizer, and this model has none; use "
                              "logit_bias with -100 for the token ids instead")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs need a tokenizer, and this model has none")
+            try:
+                self._grammar_compiler().compile(params.structured_outputs)   # cached for later
+            except ValueError as err:
+                raise ValueError(f"structured_outputs.{err}") from None
 
     def _bad_words_token_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
         """Each word's tokens, alone and after a space (the same word tokenizes differently at
@@ -500,6 +518,9 @@ class LLMEngine:
                 spec.append((seq.request_id, drafted, accepted))
                 spec_tokens.append((seq.request_id, list(seq.spec_token_ids), list(tokens)))
             for token, info in zip(tokens, infos):
+                if seq.grammar is not None and not seq.grammar.accept(token):
+                    self.output_processor.finish(seq, "abort", None)   # the mask forbids this
+                    break
                 self.output_processor.append_token(seq, token, info)
                 if seq.is_finished:
                     break
@@ -598,10 +619,11 @@ class LLMEngine:
             # Without drafts the rows are already in order: indexing would copy every logit
             # (36 x 49152 fp32 = 7 MB a step at offline-mixed's mean batch) for nothing.
             in_order = picked == list(range(len(logits)))
+            bitmask, masked = self._grammar_masks([sampled[j].grammar for j in plain])
             sample = self.sampler(logits if in_order else logits[picked],
                                   [sampled[j].params for j in plain],
                                   [sampled[j].generator for j in plain],
-                                  [self._history(sampled[j]) for j in plain])
+                                  [self._history(sampled[j]) for j in plain], bitmask, masked)
             for m, j in enumerate(plain):
                 results[j] = ([sample.token_ids[m]], [sample.logprobs[m]], 0)
         for j, seq in enumerate(sampled):
@@ -609,7 +631,8 @@ class LLMEngine:
                 continue
             k = len(seq.spec_token_ids)
             block = logits[rows[j]:rows[j] + k + 1]
-            v = verify(block, seq.spec_token_ids, seq.spec_probs, seq.params,
+            target = self._mask_drafts(seq, block) if seq.grammar is not None else block
+            v = verify(target, seq.spec_token_ids, seq.spec_probs, seq.params,
                        seq.generator or self.sampler.generator)
             infos = [None] * len(v.token_ids)
             if seq.params.logprobs is not None:
@@ -618,6 +641,35 @@ class LLMEngine:
                          for t, tok in enumerate(v.token_ids)]
             results[j] = (v.token_ids, infos, v.num_accepted)
         return results
+
+    def _grammar_masks(self, grammars: list) -> tuple[torch.Tensor | None, list[int]]:
+        """One bitmask row per sampled row; filled for the rows whose request has a grammar."""
+        rows = [i for i, g in enumerate(grammars) if g is not None]
+        if not rows:
+            return None, []
+        bitmask = self._grammar_compiler().allocate_bitmask(len(grammars))
+        for i in rows:
+            grammars[i].fill_bitmask(bitmask, i)
+        return bitmask, rows
+
+    def _mask_drafts(self, seq: Sequence, block: torch.Tensor) -> torch.Tensor:
+        """The k + 1 target rows of a drafted sequence under its grammar: row i's mask is the
+        grammar's after drafts 1..i, so the state walks the drafts and then rolls back. A draft
+        the grammar refuses ends the walk: its row gives it probability 0, so verification
+        rejects it there and never reads the rows after."""
+        from ..structured.grammar import apply_bitmask
+        bitmask = self._grammar_compiler().allocate_bitmask(block.shape[0])
+        walked, rows = 0, []
+        for i in range(block.shape[0]):
+            seq.grammar.fill_bitmask(bitmask, i)
+            rows.append(i)
+            if i == len(seq.spec_token_ids) or not seq.grammar.accept(seq.spec_token_ids[i]):
+                break
+            walked += 1
+        seq.grammar.rollback(walked)
+        block = block.clone()
+        apply_bitmask(block, bitmask, rows)
+        return block
 
     @staticmethod
     def _history(seq: Sequence) -> History | None:

@@ -53,11 +53,11 @@ class OutputProcessor:
             if may_stop and self._check_stop_strings(seq, previous_len):
                 return
         if may_stop and token_id in self.eos_token_ids and not params.ignore_eos:
-            self._finish(seq, "stop", None)
+            self.finish(seq, "stop", None)
         elif may_stop and token_id in params.stop_token_ids:
-            self._finish(seq, "stop", token_id)
+            self.finish(seq, "stop", token_id)
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            self._finish(seq, "length", None)
+            self.finish(seq, "length", None)
 
     def _check_stop_strings(self, seq: Sequence, previous_len: int) -> bool:
         stops = seq.params.stop_list
@@ -71,10 +71,10 @@ class OutputProcessor:
             return False
         index, stop = min(hits)
         seq.text = seq.text[:index]
-        self._finish(seq, "stop", stop)
+        self.finish(seq, "stop", stop)
         return True
 
-    def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
+    def finish(self, seq: Sequence, reason: str, stop_reason) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         seq.status = SequenceStatus.FINISHED
         seq.finished_time = time.perf_counter()

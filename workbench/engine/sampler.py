@@ -58,10 +58,16 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None],
-                 histories: list[History | None] | None = None) -> SampleResult:
+                 histories: list[History | None] | None = None,
+                 bitmask: torch.Tensor | None = None,
+                 masked_rows: list[int] = ()) -> SampleResult:
         """logits: (num_seqs, vocab) fp32, one row per sequence that needs a token. histories:
-        per row, the tokens its penalties and bans read (None where the request has none)."""
+        per row, the tokens its penalties and bans read (None where the request has none).
+        bitmask, masked_rows: structured outputs' allowed tokens (structured/grammar.py) for the
+        rows that have a grammar."""
         processed = process_logits(logits, params, histories or [None] * len(params))
+        if masked_rows:
+            processed = self._mask(logits, processed, bitmask, masked_rows)
         token_ids = processed.argmax(dim=-1).tolist()  # greedy for every row; sampled overwrite
         for i, p in enumerate(params):
             if p.greedy:
@@ -79,3 +85,17 @@ class Sampler:
             for j, i in enumerate(wanted):
                 logprobs[i] = top_logprobs(lps[j], token_ids[i], params[i].logprobs or 0)
         return SampleResult(token_ids, logprobs)
+
+    @staticmethod
+    def _mask(logits, processed, bitmask, rows) -> torch.Tensor:
+        """The grammar's mask on top of the processors. Where bans (min_tokens, bad_words) and
+        grammar together allow nothing, the grammar wins: its output must stay valid."""
+        from ..structured.grammar import apply_bitmask
+        if processed is logits:
+            processed = logits.clone()
+        apply_bitmask(processed, bitmask, rows)
+        dead = [r for r in rows if torch.isinf(processed[r]).all()]
+        if dead:
+            processed[dead] = logits[dead]
+            apply_bitmask(processed, bitmask, dead)
+        return processed

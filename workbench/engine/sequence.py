@@ -66,6 +66,7 @@ class Sequence:
     # Logits processors that read the tokens so far (logits_processors.History).
     min_tokens_stop_ids: frozenset[int] = frozenset()
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    grammar: object | None = None             # structured outputs: a structured.GrammarState
 
     @property
     def num_prompt_tokens(self) -> int:
