@@ -139,10 +139,12 @@ class FakeStream:
 
     def __init__(self, texts):
         self.deltas = [Delta(t, [i], None, finished=i == len(texts) - 1,
-                             finish_reason="length" if i == len(texts) - 1 else None)
+                             finish_reason="length" if i == len(texts) - 1 else None,
+                             last=i == len(texts) - 1)
                        for i, t in enumerate(texts)]
         self.aborted = False
         self.num_prompt_tokens = 3
+        self.n = 1
 
     async def __anext__(self):
         if not self.deltas:
@@ -173,6 +175,27 @@ def test_output_screen_holds_back_what_could_start_a_match():
     out, inner, ctx = screened(["ab", "c se", "cr"], ["secret"])
     assert [d.text for d in out] == ["ab", "c se", "cr"] and out[-1].finish_reason == "length"
     assert not inner.aborted and ctx.completion_tokens == 3
+
+
+def test_output_screen_ends_only_the_matching_choice_of_n():
+    policy = ServingPolicy(output_filter=ContentFilter.build(["secret"], prefix="out"))
+    inner = FakeStream([])
+    inner.n = 2
+    inner.deltas = [Delta("a sec", [1], index=0), Delta("fine", [2], index=1),
+                    Delta("ret", [3], index=0), Delta(" too", [4], index=1, finished=True,
+                                                      finish_reason="length"),
+                    Delta(" tail", [5], index=0, finished=True, finish_reason="length",
+                          last=True)]
+    ctx = RequestContext("r", "POST", "/v1/completions", time.monotonic())
+
+    async def run():
+        return [d async for d in GuardedStream(inner, ctx, policy)]
+    out = asyncio.run(run())
+    by_index = {i: "".join(d.text for d in out if d.index == i) for i in (0, 1)}
+    assert by_index == {0: "a ", 1: "fine too"}
+    ends = {d.index: d.finish_reason for d in out if d.finished}
+    assert ends == {0: "content_filter", 1: "length"} and out[-1].last
+    assert not inner.aborted                 # choice 1 was still running when 0 matched
 
 
 # ---------------------------------------------------------------------------- the gw server

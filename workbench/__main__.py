@@ -71,6 +71,9 @@ def main(argv=None) -> int:
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=32)
     serve.add_argument("--max-num-batched-tokens", type=int, default=512)
+    serve.add_argument("--tpot-slo", type=float, default=None,
+                       help="SLO-aware batching: a target decode step time in seconds; prefill "
+                            "chunks shrink while decode steps run over it")
     serve.add_argument("--enable-prefix-caching", action="store_true")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--shutdown-timeout", type=float, default=10.0,
@@ -180,6 +183,7 @@ def serve_main(args) -> int:
                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+                  tpot_slo=args.tpot_slo,
                   tensor_parallel_size=args.tensor_parallel_size,
                   pipeline_parallel_size=args.pipeline_parallel_size)
     except (ValueError, OSError) as err:

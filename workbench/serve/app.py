@@ -109,13 +109,14 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
         check_model(body.model)
-        params = body.sampling_params(policy.limits.default_max_tokens(16), body.logprobs)
+        params = body.sampling_params(policy.limits.default_max_tokens(16), body.logprobs,
+                                      body.best_of)
         stream = await submit(body.prompt_input(), params, body.priority)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         n_top = body.logprobs
 
         def choice(delta, text, offset):
-            return {"index": 0, "text": text, "finish_reason": delta.finish_reason,
+            return {"index": delta.index, "text": text, "finish_reason": delta.finish_reason,
                     "logprobs": completion_logprobs(delta.logprobs, delta.token_ids, n_top,
                                                     offset) if n_top is not None else None}
 
@@ -130,12 +131,13 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
             async def events():
-                offset, generated = 0, 0
+                offsets, generated = {}, 0
                 try:
                     async for delta in stream:
                         generated += len(delta.token_ids)
+                        offset = offsets.get(delta.index, 0)
                         yield sse(chunk([choice(delta, delta.text, offset)]))
-                        offset += len(delta.text)
+                        offsets[delta.index] = offset + len(delta.text)
                     if include_usage:
                         yield sse(chunk([], usage(stream.num_prompt_tokens, generated)))
                     yield "data: [DONE]\n\n"
@@ -143,9 +145,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                     stream.abort()            # a disconnected client: free the blocks now
             return StreamingResponse(sse_errors(events()), media_type="text/event-stream")
 
-        whole = await collect(stream)
-        return chunk([choice(whole, whole.text, 0)],
-                     usage(stream.num_prompt_tokens, len(whole.token_ids)))
+        wholes = await collect(stream)
+        return chunk([choice(w, w.text, 0) for w in wholes],
+                     usage(stream.num_prompt_tokens, sum(len(w.token_ids) for w in wholes)))
 
     # ------------------------------------------------------------------ chat
     @app.post("/v1/chat/completions")
@@ -165,10 +167,10 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-            def chunk(delta_body, finish_reason=None, logprobs=None, usage_body=None):
+            def chunk(delta_body, finish_reason=None, logprobs=None, usage_body=None, index=0):
                 out = {"id": rid, "object": "chat.completion.chunk", "created": created,
                        "model": model_name,
-                       "choices": [{"index": 0, "delta": delta_body, "logprobs": logprobs,
+                       "choices": [{"index": index, "delta": delta_body, "logprobs": logprobs,
                                     "finish_reason": finish_reason}]
                        if delta_body is not None else []}
                 if usage_body is not None:
@@ -178,12 +180,14 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             async def events():
                 generated = 0
                 try:
-                    yield sse(chunk({"role": "assistant", "content": ""}))
+                    for index in range(params.n):
+                        yield sse(chunk({"role": "assistant", "content": ""}, index=index))
                     async for delta in stream:
                         generated += len(delta.token_ids)
                         body_ = {"content": delta.text} if delta.text else {}
                         if body_ or delta.finished or delta.token_ids:
-                            yield sse(chunk(body_, delta.finish_reason, lp(delta)))
+                            yield sse(chunk(body_, delta.finish_reason, lp(delta),
+                                            index=delta.index))
                     if include_usage:
                         yield sse(chunk(None, usage_body=usage(stream.num_prompt_tokens,
                                                                generated)))
@@ -192,27 +196,32 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                     stream.abort()
             return StreamingResponse(sse_errors(events()), media_type="text/event-stream")
 
-        whole = await collect(stream)
+        wholes = await collect(stream)
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": whole.text},
-                             "logprobs": lp(whole), "finish_reason": whole.finish_reason}],
-                "usage": usage(stream.num_prompt_tokens, len(whole.token_ids))}
+                "choices": [{"index": w.index, "message": {"role": "assistant",
+                                                           "content": w.text},
+                             "logprobs": lp(w), "finish_reason": w.finish_reason}
+                            for w in wholes],
+                "usage": usage(stream.num_prompt_tokens,
+                               sum(len(w.token_ids) for w in wholes))}
 
     return app
 
 
-async def collect(stream: RequestStream | GuardedStream) -> Delta:
-    """A whole (non-streamed) answer: every Delta of the request joined into one."""
-    whole = Delta("", [], [])
+async def collect(stream: RequestStream | GuardedStream) -> list[Delta]:
+    """A whole (non-streamed) answer: every Delta of each choice joined into one, by index."""
+    wholes: dict[int, Delta] = {}
     try:
         async for delta in stream:
+            whole = wholes.setdefault(delta.index, Delta("", [], [], index=delta.index))
             whole.text += delta.text
             whole.token_ids += delta.token_ids
             whole.logprobs += delta.logprobs or []
-            whole.finished, whole.finish_reason = delta.finished, delta.finish_reason
+            if delta.finished:
+                whole.finished, whole.finish_reason = True, delta.finish_reason
     finally:
         stream.abort()                 # the client went away before the end: free the blocks
-    return whole
+    return [wholes[i] for i in sorted(wholes)] or [Delta("", [], [])]
 
 
 def sse(payload: dict) -> str:

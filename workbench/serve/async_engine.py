@@ -29,21 +29,24 @@ from .admission import Admission, QueueState
 
 @dataclass
 class Delta:
-    """What one request produced since its previous Delta."""
+    """What one choice of a request produced since its previous Delta. A request with n > 1
+    streams its choices interleaved, each with its `index`; `finished` ends a choice, `last` the
+    request (the Delta that carries the RequestOutput)."""
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, Logprob]] | None = None   # one dict per new token, when asked
     finished: bool = False
     finish_reason: str | None = None
     output: RequestOutput | None = field(default=None, repr=False)   # on the last Delta
+    index: int = 0
+    last: bool = False
 
 
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    text_sent: int = 0
-    tokens_sent: int = 0
+    sent: dict[int, tuple[int, int]] = field(default_factory=dict)  # index: (text, tokens) sent
     num_prompt_tokens: int = 0
     last_token_time: float | None = None
     scheduled: bool = False
@@ -103,7 +106,7 @@ class AsyncEngine:
         self.submitted_tokens += prompt_tokens
         self._post(("add", request_id, prompt, params, priority, stream, added, prompt_tokens))
         await added
-        return RequestStream(self, request_id, stream)
+        return RequestStream(self, request_id, stream, params.n)
 
     def queue_state(self) -> QueueState:
         """Accepted but not yet scheduled: in the command queue, or waiting in the engine. The
@@ -194,7 +197,7 @@ class AsyncEngine:
                 self.engine.abort_request(rid)
                 stream.loop.call_soon_threadsafe(
                     stream.queue.put_nowait, Delta("", [], finished=True,
-                                                   finish_reason="abort"))
+                                                   finish_reason="abort", last=True))
 
     def _publish_waiting(self) -> None:
         waiting = [seq for s in self.engine.schedulers for seq in s.waiting]
@@ -208,28 +211,52 @@ class AsyncEngine:
                 stream.scheduled = True            # it left the waiting queue: the drain rate
                 if self.admission is not None:
                     self.admission.drain.note()
-            stable = OutputProcessor.stable_text_len(seq)
-            new_tokens = len(seq.output_token_ids) - stream.tokens_sent
-            if stable <= stream.text_sent and not new_tokens and not seq.is_finished:
-                continue
-            delta = Delta(seq.text[stream.text_sent:max(stable, stream.text_sent)],
-                          seq.output_token_ids[stream.tokens_sent:],
-                          seq.logprobs[stream.tokens_sent:] if seq.logprobs is not None else None)
-            stream.text_sent = max(stream.text_sent, stable)
-            stream.tokens_sent = len(seq.output_token_ids)
-            if new_tokens and self.metrics is not None:
-                if stream.last_token_time is not None:   # tokens of one step share the gap
-                    gap = (seq.last_token_time - stream.last_token_time) / new_tokens
-                    for _ in range(new_tokens):
-                        self.metrics.observe_token_gap(gap)
-                stream.last_token_time = seq.last_token_time
-            if seq.is_finished:
-                delta.finished, delta.finish_reason = True, seq.finish_reason
-                delta.output = self.engine.pop_output(rid)
+            deltas = []
+            if not seq.params.ranks_samples:       # best_of's winners are known only at the end
+                for member in seq.members or [seq]:
+                    delta = self._member_delta(stream, member)
+                    if delta is not None:
+                        deltas.append(delta)
+            if seq.group_finished:
+                output = self.engine.pop_output(rid)
                 del self._streams[rid]
+                if seq.params.ranks_samples:
+                    deltas = [Delta(c.text, c.token_ids, c.logprobs, True, c.finish_reason,
+                                    index=c.index) for c in output.outputs]
+                last = deltas[-1] if deltas else Delta("", [], finished=True,
+                                                       finish_reason=seq.finish_reason)
+                if not deltas:
+                    deltas.append(last)
+                last.output, last.last = output, True
                 if self.metrics is not None:
-                    self.metrics.observe_finished(delta.output, stream.num_prompt_tokens)
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+                    self.metrics.observe_finished(output, stream.num_prompt_tokens)
+            for delta in deltas:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+
+    def _member_delta(self, stream: _Stream, seq) -> Delta | None:
+        """One sample's new text and tokens since its last Delta (None if nothing new)."""
+        text_sent, tokens_sent = stream.sent.get(seq.index, (0, 0))
+        if tokens_sent < 0:                        # this choice already said it finished
+            return None
+        stable = OutputProcessor.stable_text_len(seq)
+        new_tokens = len(seq.output_token_ids) - tokens_sent
+        if stable <= text_sent and not new_tokens and not seq.is_finished:
+            return None
+        delta = Delta(seq.text[text_sent:max(stable, text_sent)],
+                      seq.output_token_ids[tokens_sent:],
+                      seq.logprobs[tokens_sent:] if seq.logprobs is not None else None,
+                      index=seq.index)
+        stream.sent[seq.index] = (max(text_sent, stable), len(seq.output_token_ids))
+        if new_tokens and self.metrics is not None and seq.index == 0:
+            if stream.last_token_time is not None:   # tokens of one step share the gap
+                gap = (seq.last_token_time - stream.last_token_time) / new_tokens
+                for _ in range(new_tokens):
+                    self.metrics.observe_token_gap(gap)
+            stream.last_token_time = seq.last_token_time
+        if seq.is_finished:
+            delta.finished, delta.finish_reason = True, seq.finish_reason
+            stream.sent[seq.index] = (0, -1)
+        return delta
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -261,8 +288,9 @@ class RequestStream:
     """The Deltas of one request, as an async iterator. `abort()` (idempotent) frees the
     request's blocks if it has not finished: call it when the client goes away."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream):
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream, n: int = 1):
         self.engine, self.request_id, self._stream = engine, request_id, stream
+        self.n = n                                 # choices the request streams
         self.done = False
 
     @property
@@ -279,7 +307,7 @@ class RequestStream:
         if isinstance(delta, BaseException):
             self.done = True
             raise delta
-        self.done = delta.finished
+        self.done = delta.last
         return delta
 
     def abort(self) -> None:

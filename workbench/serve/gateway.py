@@ -260,9 +260,7 @@ class GuardedStream:
         self.timeout = policy.request_timeout
         self.deadline = None if self.timeout is None else self.ctx.arrival + self.timeout
         self._ready: deque[Delta] = deque()
-        self._held: list[Delta] = []             # text that could be the start of a match
-        self._text = ""                          # released + held text
-        self._released = 0
+        self._screens: dict[int, _Screened] = {}   # the output filter's state per choice
         self._inner_done = False
 
     @property
@@ -285,7 +283,7 @@ class GuardedStream:
         if delta.token_ids and ctx.first_token is None:
             ctx.first_token = time.monotonic()
         ctx.completion_tokens += len(delta.token_ids)
-        if delta.finished:
+        if delta.finished and delta.index == 0:
             ctx.finish_reason = delta.finish_reason
         return delta
 
@@ -304,30 +302,50 @@ class GuardedStream:
                           "timeout", status=504, kind="server_error", code="timeout") from None
 
     def _take(self, delta: Delta) -> None:
-        if delta.finished:
+        if delta.last:
             self._inner_done = True
         flt = self.policy.output_filter
         if not flt:
             self._ready.append(delta)
             return
-        self._held.append(delta)
-        self._text += delta.text
-        policy, stop, complete = flt.first_match(self._text, partial=not delta.finished,
-                                                 start=self._released)
-        if complete:
-            self.inner.abort()
-            self._inner_done = True
-            self.ctx.policy = policy
-            before = self._text[self._released:stop] if stop is not None else ""
-            self._held.clear()
-            self._ready.append(Delta(before, [], None, finished=True,
-                                     finish_reason="content_filter"))
+        st = self._screens.setdefault(delta.index, _Screened())
+        if st.ended:                             # the filter ended this choice: drop the rest
+            if delta.last:
+                self._ready.append(Delta("", [], index=delta.index, output=delta.output,
+                                         last=True))
             return
-        limit = len(self._text) if stop is None else stop
-        while self._held and self._released + len(self._held[0].text) <= limit:
-            released = self._held.pop(0)
-            self._released += len(released.text)
+        st.held.append(delta)
+        st.text += delta.text
+        policy, stop, complete = flt.first_match(st.text, partial=not delta.finished,
+                                                 start=st.released)
+        if complete:
+            st.ended = True
+            self.ctx.policy = policy
+            before = st.text[st.released:stop] if stop is not None else ""
+            st.held.clear()
+            done = sum(s.ended for s in self._screens.values()) == self.inner.n
+            if done:                             # no choice left to run: free the blocks now
+                self.inner.abort()
+                self._inner_done = True
+            self._ready.append(Delta(before, [], None, finished=True,
+                                     finish_reason="content_filter", index=delta.index,
+                                     last=done or delta.last, output=delta.output))
+            return
+        limit = len(st.text) if stop is None else stop
+        while st.held and st.released + len(st.held[0].text) <= limit:
+            released = st.held.pop(0)
+            st.released += len(released.text)
             self._ready.append(released)
+
+
+@dataclass
+class _Screened:
+    """One choice's text under the output filter: released, and held back while it could still
+    be the start of a match."""
+    held: list = field(default_factory=list)
+    text: str = ""
+    released: int = 0
+    ended: bool = False
 
 
 def screened_token_prompt(prompt, content_filter: ContentFilter, tokenizer):

@@ -42,6 +42,9 @@ from .params import StructuredOutputsParams, choice_to_ebnf
 # The grammar a `json_object` request compiles to: any JSON object (OpenAI's response_format
 # {"type": "json_object"}).
 _ANY_OBJECT_SCHEMA = '{"type": "object"}'
+# Longest whitespace run allowed between JSON tokens: unbounded, a model (or a random one) can
+# emit whitespace until max_tokens; 16 still allows pretty-printing a few levels deep.
+MAX_WHITESPACE = 16
 
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " and sometimes a failed check.
@@ -106,11 +109,14 @@ class GrammarCompiler:
         kind, text, compact = key
         any_ws = not compact
         try:
+            ws = MAX_WHITESPACE if any_ws else None
             if kind == "json":
-                compiled = self._compiler.compile_json_schema(text, any_whitespace=any_ws)
+                compiled = self._compiler.compile_json_schema(text, any_whitespace=any_ws,
+                                                              max_whitespace_cnt=ws)
             elif kind == "json_object":
                 compiled = self._compiler.compile_json_schema(_ANY_OBJECT_SCHEMA,
-                                                              any_whitespace=any_ws)
+                                                              any_whitespace=any_ws,
+                                                              max_whitespace_cnt=ws)
             elif kind == "regex":
                 compiled = self._compiler.compile_regex(text)
             elif kind == "choice":

@@ -23,8 +23,9 @@ class StructuredOutputsParams:
     grammar: an EBNF grammar (xgrammar's GBNF dialect) whose start rule is named `root`.
     json_object: the output is any JSON object.
     disable_any_whitespace: for json / json_object, allow no free whitespace between tokens (one
-        compact line with ", " and ": " separators); by default any whitespace is allowed, as in
-        vLLM, which a model can abuse by emitting whitespace forever.
+        compact line with ", " and ": " separators); by default whitespace is allowed, as in
+        vLLM, in runs of at most grammar.MAX_WHITESPACE characters, so that a model cannot emit
+        whitespace forever.
     """
 
     json: dict | str | None = None
