@@ -46,6 +46,8 @@ class ServerMetrics:
         self.running = gauge("num_requests_running", "Requests holding KV blocks.")
         self.waiting = gauge("num_requests_waiting", "Requests queued (new or preempted).")
         self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV blocks held by requests (0-1).")
+        self.prefill_budget = gauge("prefill_budget_tokens",
+                                    "Prefill tokens a step may take (adapted with --tpot-slo).")
         self.prefix_hit_rate = gauge("prefix_cache_hit_rate",
                                      "Share of looked-up prompt tokens found in the prefix cache.")
         self.prefix_queries = counter("prefix_cache_queries",
@@ -69,6 +71,8 @@ class ServerMetrics:
         self.running.set(record.num_running)
         self.waiting.set(record.num_waiting)
         self.kv_usage.set(record.blocks_used / max(1, record.blocks_total))
+        if record.prefill_budget is not None:
+            self.prefill_budget.set(record.prefill_budget)
         self.prefix_hit_rate.set(engine.blocks.hit_rate)
         queries, hits = engine.blocks.prefix_queries, engine.blocks.prefix_hits
         self.prefix_queries.inc(queries - self._prefix_seen[0])
