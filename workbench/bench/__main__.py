@@ -19,6 +19,9 @@ floor:         offline-mixed's matmul floor: its FLOPs over this CPU's bf16 GEMM
                model's shapes, aten's and prepacked (python -m workbench.bench floor --help).
 table:         results/README.md from the committed results/**/*.json: every speed run with its
                machine, versions, commit and targets, newest first (--check: exit 1 if stale).
+soak:          a SmolLM2 server under 128 concurrent clients mixing good requests with abuse:
+               every request completed, rejected, disconnected or lost; KV and RSS per round
+               (python -m workbench.bench soak --help).
 gpu:           (CUDA) batch-1 decode and offline-mixed, eager and with CUDA graphs, on random
                weights in SmolLM2-135M's and a 1B Llama's shapes, against transformers; the
                GPU targets met or not (python -m workbench.bench gpu --help).
@@ -61,6 +64,9 @@ def main(argv=None) -> None:
     if argv[:1] == ["speed"]:
         from . import speed
         return speed.main(argv[1:])
+    if argv[:1] == ["soak"]:
+        from . import soak
+        return soak.main(argv[1:])
     if argv[:1] == ["table"]:
         from . import table
         return table.main(argv[1:])
