@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .admission import Refusal
 from .async_engine import AsyncEngine, Delta, EngineStopped, RequestStream
@@ -52,6 +53,15 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         if isinstance(err, Refusal):
             note_refusal(err)
         return JSONResponse(err.body(), status_code=err.status,
+                            headers=getattr(err, "headers", None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, err: StarletteHTTPException):
+        """FastAPI's own refusals (a body that is not UTF-8, an unknown path) in OpenAI's shape."""
+        kind = "invalid_request_error" if err.status_code < 500 else "server_error"
+        e = OpenAIError(f"{err.detail} (HTTP {err.status_code})", status=err.status_code,
+                        kind=kind)
+        return JSONResponse(e.body(), status_code=err.status_code,
                             headers=getattr(err, "headers", None))
 
     @app.exception_handler(RequestValidationError)

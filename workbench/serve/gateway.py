@@ -192,10 +192,21 @@ class Gateway:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
+                await self._drain(receive, message, size, 16 * limit)
                 raise self._too_large(f"more than {limit} bytes", limit)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+    @staticmethod
+    async def _drain(receive, message, size: int, bound: int) -> None:
+        """Read and drop the rest of an oversized body (up to `bound` bytes): a socket closed
+        with unread data is reset, and the client then loses the 413 it was sent."""
+        while message.get("more_body", False) and size <= bound:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            size += len(message.get("body", b""))
 
     @staticmethod
     def _too_large(size: str, limit: int) -> Refusal:
