@@ -537,7 +537,7 @@ class LLMEngine:
         finished = scheduler.free_finished()
         self._release_finished(finished)
         t5 = time.perf_counter()
-        scheduler.observe_step(t5 - t0, batch.num_decode_tokens)
+        scheduler.observe_step(t5 - t0, batch.num_decode_tokens, batch.num_prefill_tokens)
         pool = self.blocks.pool
         self.trace.append(StepRecord(
             step=len(self.trace), num_seqs=len(batch.seqs),

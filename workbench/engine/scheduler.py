@@ -26,9 +26,11 @@ their own tokens (penalties, min_tokens, bad_words) and parallel samples are not
 
 SLO-aware batching (`tpot_slo`): a step that carries decodes also carries prefill chunks, so
 its time, the TPOT every decoding request feels, grows with the prefill tokens it takes. With a
-target, prefill tokens per step are capped by `prefill_budget`, adapted like TCP's window: a
-decode step over the target halves it (down to one block), one under 80% of it adds an eighth of
-max_num_batched_tokens back. Without decodes running, prefill takes the whole budget.
+target T, prefill tokens per step are capped by `prefill_budget`, set from two running estimates
+of this machine's costs: a decode-only step takes d seconds, each prefill token adds c, so the
+budget is (T - d) / c tokens, between an eighth of max_num_batched_tokens and all of it. Until
+both are measured, a decode step over T halves the budget and one under 80% of T adds an eighth
+back. Without decodes running, prefill takes the whole budget.
 
 Parallel sampling: a request with n samples is admitted only when n sequence slots are free; its
 first sequence prefills the prompt, and the others join `running` when they fork (llm_engine.py).
@@ -69,16 +71,35 @@ class Scheduler:
         # not fit while another scheduler's sequences hold blocks must wait, not end.
         self.others_hold_blocks = lambda: False
         self.prefill_budget = config.max_num_batched_tokens    # adapted with tpot_slo
+        self.decode_step_s: float | None = None    # running estimate: a decode-only step
+        self.prefill_token_s: float | None = None  # running estimate: one more prefill token
 
-    def observe_step(self, seconds: float, num_decode_tokens: int) -> None:
+    def observe_step(self, seconds: float, num_decode_tokens: int,
+                     num_prefill_tokens: int = 0) -> None:
         """Adapt the prefill budget to the last step's time (only with tpot_slo)."""
         slo, top = self.config.tpot_slo, self.config.max_num_batched_tokens
-        if slo is None or num_decode_tokens == 0:
+        if slo is None:
             return
-        if seconds > slo:
-            self.prefill_budget = max(self.config.block_size, self.prefill_budget // 2)
-        elif seconds < 0.8 * slo:
+        self._estimate(seconds, num_decode_tokens, num_prefill_tokens)
+        floor = max(self.config.block_size, top // 8)   # a chunk of 16 would starve the prompts
+        if self.decode_step_s is not None and self.prefill_token_s:
+            budget = (slo - self.decode_step_s) / self.prefill_token_s
+            self.prefill_budget = int(min(top, max(floor, budget)))
+        elif num_decode_tokens and seconds > slo:
+            self.prefill_budget = max(floor, self.prefill_budget // 2)
+        elif num_decode_tokens and seconds < 0.8 * slo:
             self.prefill_budget = min(top, self.prefill_budget + max(1, top // 8))
+
+    def _estimate(self, seconds: float, decodes: int, prefills: int, weight: float = 0.3) -> None:
+        """Exponential moving averages of the two costs the budget is computed from."""
+        def ema(old, new):
+            return new if old is None else (1 - weight) * old + weight * new
+        if decodes and not prefills:
+            self.decode_step_s = ema(self.decode_step_s, seconds)
+        elif prefills and self.decode_step_s is not None:
+            base = self.decode_step_s if decodes else 0.0
+            self.prefill_token_s = ema(self.prefill_token_s,
+                                       max(seconds - base, 0.0) / prefills)
 
     # ------------------------------------------------------------------ queues
     def add(self, seq: Sequence) -> None:

@@ -49,11 +49,13 @@ class _ReplayEngine:
     """The part of AsyncEngine that build_app touches: the next request replays `deltas`."""
 
     def __init__(self):
-        self.engine = SimpleNamespace(config=SimpleNamespace(max_model_len=256))
-        self.metrics, self.error, self.deltas = None, None, []
+        self.engine = SimpleNamespace(config=SimpleNamespace(max_model_len=256), tokenizer=None)
+        self.metrics, self.error, self.deltas, self.stopping = None, None, [], False
 
-    async def submit(self, prompt, params, priority=0):
-        return _ReplayStream(self.deltas, num_prompt_tokens=7)
+    async def submit(self, prompt, params, priority=0, prompt_tokens=1):
+        stream = _ReplayStream(self.deltas, num_prompt_tokens=7)
+        stream.n = params.n
+        return stream
 
     def shutdown(self, timeout: float = 0.0) -> None:
         pass
