@@ -16,7 +16,8 @@ import httpx
 import openai
 import pytest
 from starlette.testclient import TestClient
-from test_serve import MODEL, free_port, offline, start_server, stop_server  # noqa: F401
+from test_serve import (MODEL, free_port, offline, start_server, stop_server,  # noqa: F401
+                        wait_healthy)
 
 from workbench import SamplingParams
 from workbench.serve.router import REPLICA_HEADER, Router, build_router_app, routing_key, sse_error
@@ -248,15 +249,7 @@ def start_router(replicas, *extra):
     cmd = [sys.executable, "-m", "workbench", "router", "--policy", "prefix", "--port",
            str(port), *extra] + [a for u in replicas for a in ("--replica", u)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"the router did not come up: {proc.stdout.read()}")
+    return wait_healthy(proc, f"http://127.0.0.1:{port}", "router", 30)
 
 
 async def one(client, http, url, prompt, streamed, started=None):

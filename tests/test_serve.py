@@ -34,18 +34,36 @@ def start_server(folder, *extra) -> tuple[subprocess.Popen, str]:
            "--max-model-len", "256", "--max-num-seqs", "16", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    return wait_healthy(proc, f"http://127.0.0.1:{port}", "server")
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, what: str,
+                 seconds: float = 120) -> tuple[subprocess.Popen, str]:
+    """Poll url/health until it answers 200; the process's output if it exits or never does."""
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: {proc.stdout.read()}")
+            raise RuntimeError(f"the {what} exited: {proc.stdout.read()}")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
             time.sleep(0.2)
     proc.kill()
-    raise RuntimeError("the server did not come up in 120 s")
+    raise RuntimeError(f"the {what} did not come up in {seconds:g} s: {proc.stdout.read()}")
+
+
+def wait_idle(url: str, seconds: float = 10) -> str:
+    """/metrics once no request runs and no KV block is held (or after `seconds`): the engine
+    thread sees finished and disconnected requests shortly after the client does."""
+    deadline = time.monotonic() + seconds
+    while True:
+        text = httpx.get(f"{url}/metrics").text
+        if (metric(text, "workbench:num_requests_running") == 0
+                and metric(text, "workbench:kv_cache_usage_perc") == 0) \
+                or time.monotonic() > deadline:
+            return text
+        time.sleep(0.1)
 
 
 def stop_server(proc: subprocess.Popen) -> str:
@@ -273,13 +291,7 @@ def test_64_concurrent_streams_some_aborted(server, offline):
     for i, t in enumerate(texts):
         if i not in aborted:
             assert t == want[i], i
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:        # the engine thread sees the disconnects shortly
-        text = httpx.get(f"{server}/metrics").text
-        if metric(text, "workbench:num_requests_running") == 0 and \
-                metric(text, "workbench:kv_cache_usage_perc") == 0:
-            break
-        time.sleep(0.2)
+    text = wait_idle(server)
     assert metric(text, "workbench:num_requests_running") == 0
     assert metric(text, "workbench:kv_cache_usage_perc") == 0      # no block is held
     finished = (metric(text, "workbench:e2e_request_latency_seconds_count")

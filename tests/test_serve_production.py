@@ -21,7 +21,7 @@ import openai
 import pytest
 
 import test_serve
-from test_serve import MODEL, metric, start_server, stop_server
+from test_serve import MODEL, metric, start_server, stop_server, wait_idle
 from workbench import SamplingParams
 from workbench.serve.admission import Admission, DrainRate, QueueState, Refusal
 from workbench.serve.async_engine import Delta
@@ -310,13 +310,7 @@ def test_waiting_bounds_refuse_with_429_before_the_engine(gw, tiny_llm):
     for r in (b, d):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["finish_reason"] == "length"
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        after = httpx.get(f"{url}/metrics").text
-        if metric(after, "workbench:kv_cache_usage_perc") == 0 and \
-                metric(after, "workbench:num_requests_running") == 0:
-            break
-        time.sleep(0.1)
+    after = wait_idle(url, 15)
     assert metric(after, "workbench:kv_cache_usage_perc") == 0
     assert success(after) - success(before) == 2          # B and D; A was aborted
     assert rejected(after, "queue_full") - rejected(before, "queue_full") == 1
