@@ -530,3 +530,26 @@ def test_the_autoscaler_scales_the_deployment_on_the_adapter_metrics():
     assert behavior["scaleUp"]["stabilizationWindowSeconds"] <= 60
     for direction in ("scaleUp", "scaleDown"):
         assert behavior[direction]["policies"]
+
+
+def test_the_dashboard_panels_drawn_from_scrapes_of_a_live_run(server):
+    """Scrape every 0.2 s while driving traffic; every panel a learner's run should fill has a
+    series, and the counters' increase over the run equals what the clients received."""
+    from workbench.serve.dashboard import dashboard_panels
+    from workbench.serve.promql import parse
+    from workbench.serve.scrape import MetricsRecorder
+    with MetricsRecorder(server, interval=0.2) as rec:
+        time.sleep(0.5)
+        tokens = drive(server)
+        time.sleep(0.5)
+    assert rec.errors == 0 and len(rec.scrapes) >= 5
+    panels = {p.title: p for p in dashboard_panels(rec.scrapes, window=60)}
+    for title in ("Time to first token", "Time per output token", "Inter-token latency",
+                  "End-to-end latency", "Tokens per second", "Finished requests by finish reason",
+                  "Requests running and waiting", "Rejected requests by reason", "KV cache usage",
+                  "Prefix cache hit rate", "Generation tokens per second per replica (autoscaling input)"):
+        assert panels[title].series, title
+    increase = parse("sum(increase(workbench:generation_tokens_total[1h]))").series(rec.scrapes)
+    assert increase[frozenset()][1][-1] == tokens
+    rejected = panels["Rejected requests by reason"].series
+    assert any(name.startswith("unauthorized") for name in rejected), rejected
