@@ -10,6 +10,8 @@ from plotly.subplots import make_subplots
 
 from .figures import PALETTE, _layout, finish_with_top_legend
 
+COLORS = PALETTE + ("#e377c2", "#17becf", "#bcbd22", "#7f7f7f")   # the dashboard's roles
+
 
 def blocks_figure(ns: Sequence[int], shared: Sequence[int], separate: Sequence[int], *,
                   title: str, caption: str) -> go.Figure:
@@ -88,3 +90,47 @@ def failover_figure(times: Sequence[float], up: Mapping[str, Sequence[bool]],
     fig.update_yaxes(title_text="up", range=[-0.1, 1.1], tickvals=[0, 1], secondary_y=True,
                      showgrid=False)
     return finish_with_top_legend(fig, caption, legend_rows=2)
+
+
+def dashboard_figure(panels: Sequence, *, shade: tuple[float, float] | None = None,
+                     constant: Sequence[str] = (), title: str, caption: str,
+                     cols: int = 3) -> go.Figure:
+    """deploy/'s Grafana dashboard as a grid: one subplot per time-series panel (serve.dashboard's
+    Panel) on one time axis, seconds drawn in ms, "no data" where a panel has no series (as
+    Grafana shows it), series that stay at 0 left out when others in the panel are not. Legend
+    names drop the words in `constant` (the model's name, the one instance); a panel's only
+    series needs no legend. `shade` marks a phase of the run, e.g. a burst, on every panel."""
+    rows = -(-len(panels) // cols)
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=[p.title for p in panels],
+                        vertical_spacing=0.5 / rows, horizontal_spacing=0.07)
+    colors: dict[str, str] = {}
+    end = max((t[-1] for p in panels for t, _ in p.series.values() if t), default=1.0)
+    for i, p in enumerate(panels):
+        r, c = i // cols + 1, i % cols + 1
+        scale = 1e3 if p.unit == "s" else 100.0 if p.unit == "percentunit" else 1.0
+        shown = {k: tv for k, tv in p.series.items() if any(tv[1])} or p.series   # zero lines hidden
+        for name, (t, v) in shown.items():
+            role = " ".join(w for w in name.split() if w not in constant)
+            first = role not in colors
+            color = colors.setdefault(role, "#444444" if not role else
+                                      COLORS[len([k for k in colors if k]) % len(COLORS)])
+            fig.add_scatter(x=list(t), y=[scale * x for x in v], name=role or p.title,
+                            legendgroup=role, showlegend=first and bool(role), mode="lines",
+                            line=dict(color=color, width=1.5),
+                            hovertemplate=f"{name}<br>%{{x:.1f}} s: %{{y:.3g}}<extra></extra>",
+                            row=r, col=c)
+        if not p.series:             # an invisible trace: plotly.js drops an axis that has none
+            fig.add_scatter(x=[0, end], y=[0, 1], mode="markers", marker=dict(opacity=0),
+                            showlegend=False, hoverinfo="skip", row=r, col=c)
+            fig.add_annotation(text="no data", showarrow=False, font=dict(color="#7f7f7f"),
+                               x=0.5, y=0.5, xref="x domain", yref="y domain", row=r, col=c)
+        unit = {"s": "ms", "percentunit": "%", "reqps": "req/s", "short": ""}.get(p.unit, p.unit)
+        fig.update_yaxes(title_text=unit, rangemode="tozero", row=r, col=c)
+        if shade:
+            fig.add_vrect(x0=shade[0], x1=shade[1], fillcolor="#d62728", opacity=0.08,
+                          line_width=0, row=r, col=c)
+    _layout(fig, title, "", "", height=230 * rows)
+    fig.update_annotations(font_size=11)
+    fig.update_xaxes(range=[0, end])
+    fig.update_xaxes(title_text="s since the first scrape", row=rows)
+    return finish_with_top_legend(fig, caption, legend_rows=1)
