@@ -54,7 +54,7 @@ def dashboard_panels(scrapes: list[Scrape], *, window: float | None = None,
     for p in timeseries_panels(dashboard):
         series, exprs = {}, []
         for target in p.get("targets", []):
-            names = _template_names(target["expr"])
+            names = re.findall(r"\$(\w+)", target["expr"])
             q = parse(target["expr"], {**{n: ".*" for n in names}, **(variables or {})})
             exprs.append(q.expr)
             for labels, points in q.series(scrapes, rules=recorded, window=window).items():
@@ -63,6 +63,3 @@ def dashboard_panels(scrapes: list[Scrape], *, window: float | None = None,
         out.append(Panel(p["title"], unit, series, exprs))
     return out
 
-
-def _template_names(expr: str) -> list[str]:
-    return re.findall(r"\$(\w+)", expr)
