@@ -13,11 +13,13 @@ _os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput",
-           "CompletionOutput", "Logprob", "StreamChunk", "BeamSearchParams", "BeamSearchOutput"]
+           "CompletionOutput", "Logprob", "StreamChunk", "BeamSearchParams", "BeamSearchOutput",
+           "memory_plan", "MemoryPlan"]
 _WHERE = {"EngineConfig": "config", "LLMEngine": "engine.llm_engine", "LLM": "llm",
           "CompletionOutput": "outputs", "Logprob": "outputs", "RequestOutput": "outputs",
           "StreamChunk": "outputs", "SamplingParams": "sampling_params",
-          "BeamSearchParams": "engine.beam_search", "BeamSearchOutput": "engine.beam_search"}
+          "BeamSearchParams": "engine.beam_search", "BeamSearchOutput": "engine.beam_search",
+          "memory_plan": "plan", "MemoryPlan": "plan"}
 
 
 def __getattr__(name: str):

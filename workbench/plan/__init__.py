@@ -1,0 +1,9 @@
+"""What fits where: memory of published model architectures under a precision and a parallel
+layout (calculator.py), from their config.json numbers (configs/, architecture.py)."""
+from __future__ import annotations
+
+from .architecture import Architecture, architecture, known_models
+from .calculator import memory_plan
+from .plan import MemoryPlan
+
+__all__ = ["Architecture", "MemoryPlan", "architecture", "known_models", "memory_plan"]
