@@ -170,9 +170,18 @@ def layer_sensitivity(model, windows: list[list[int]], fmt: str = "int4",
         ["auto"] * i + [fmt] + ["auto"] * (n - i - 1))) - reference for i in range(n)]
 
 
+def _check_counts(counts: list[int], num_layers: int) -> None:
+    bad = [c for c in counts if isinstance(c, bool) or not isinstance(c, int)
+           or not 0 <= c <= num_layers]
+    if bad:
+        raise ValueError(f"counts={counts!r} is invalid: each count of layers kept at the higher "
+                         f"format must be an integer in [0, {num_layers}]; {bad} are not")
+
+
 def ranked_plans(sensitivity: list[float], counts: list[int], high: str = "int8",
                  low: str = "int4") -> dict[int, list[str]]:
     """For each count c: the c most sensitive layers in `high`, the others in `low`."""
+    _check_counts(counts, len(sensitivity))
     order = sorted(range(len(sensitivity)), key=lambda i: -sensitivity[i])
     return {c: [high if i in set(order[:c]) else low for i in range(len(sensitivity))]
             for c in counts}
@@ -181,6 +190,7 @@ def ranked_plans(sensitivity: list[float], counts: list[int], high: str = "int8"
 def depth_plans(num_layers: int, counts: list[int], high: str = "int8",
                 low: str = "int4") -> dict[int, list[str]]:
     """For each count c: the first c layers in `high`, the deeper ones in `low`."""
+    _check_counts(counts, num_layers)
     return {c: [high] * c + [low] * (num_layers - c) for c in counts}
 
 
