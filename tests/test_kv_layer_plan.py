@@ -164,3 +164,39 @@ def test_smollm2_mild_plan_keeps_perplexity(smollm2_folder):
     planned = math.exp(torch.cat([nll(window_logprobs(llm, w), w) for w in windows]).mean())
     print(f"perplexity: model dtype {base:.4f}, plan {planned:.4f}")
     assert math.isfinite(base) and abs(planned / base - 1) < 0.01
+
+
+def test_the_compiled_paths_attention_operator_reads_each_layers_format():
+    """torch.ops.workbench.attention (what a compiled forward calls) writes and reads every layer
+    in its own format: each layer's output equals attention over its K/V rounded through that
+    format, and each format is planned once per step."""
+    from workbench.attention.torch_backend import TorchAttention
+    from workbench.engine.runner import pack
+    from workbench.kv.paged_cache import PagedKVCache
+    from workbench.models.compile import attention_context
+    args = LlamaArgs(vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                     rope_theta=1e4, max_position_embeddings=64, tie_word_embeddings=True)
+    cpu, plan = torch.device("cpu"), ["int4", "auto", "int8"]
+    cache = PagedKVCache(args, 4, 4, torch.float32, cpu, kv_cache_dtype=plan)
+    _, _, meta = pack([(list(range(6)), 0)], [[2, 0]], 4, cpu, cache.kv_cache_dtype)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(6, 4, 16), torch.randn(6, 2, 16), torch.randn(6, 2, 16)
+    backend = TorchAttention()
+    with attention_context(cache.kv_caches, meta, backend, 0.25):
+        outs = [torch.ops.workbench.attention(q, k, v, i) for i in range(3)]
+    assert sorted(meta.layer_views) == ["auto", "int4", "int8"]
+    for i, fmt in enumerate(plan):
+        stored = cache.kv_caches[i][0].index_select(0, meta.slot_mapping)
+        if fmt == "auto":
+            rounded_k, rounded_v = k, v
+            assert torch.equal(stored, k)
+        else:
+            assert torch.equal(stored, quantize_rows(k, fmt))
+            rounded_k = dequantize_rows(quantize_rows(k, fmt), fmt, torch.float32)
+            rounded_v = dequantize_rows(quantize_rows(v, fmt), fmt, torch.float32)
+        plain = PagedKVCache(args, 4, 4, torch.float32, cpu)
+        _, _, plain_meta = pack([(list(range(6)), 0)], [[2, 0]], 4, cpu)
+        expected = backend.forward(q, rounded_k, rounded_v, *plain.kv_caches[i], plain_meta, 0.25)
+        assert torch.equal(outs[i], expected)
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])
