@@ -17,7 +17,6 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_CACHE_LAYOUTS = ("paged", "contiguous")
-KV_CACHE_DTYPES = ("auto", "fp8", "int8", "int4")
 # The default KV budget holds max_num_seqs full contexts, so the default context is capped:
 # SmolLM2's full 8192 tokens x 8 sequences would take 1.5 GB in bf16.
 DEFAULT_MAX_MODEL_LEN = 1024
