@@ -17,7 +17,6 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_CACHE_LAYOUTS = ("paged", "contiguous")
-KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 # The default KV budget holds max_num_seqs full contexts, so the default context is capped:
 # SmolLM2's full 8192 tokens x 8 sequences would take 1.5 GB in bf16.
 DEFAULT_MAX_MODEL_LEN = 1024
@@ -140,7 +139,9 @@ class EngineConfig:
     # Quantization (workbench/quant/).
     quantization: str | None = None      # None, "int8", "int4", "gptq", "awq", "smoothquant", "mixed"
     quantization_config: dict | None = None   # QuantConfig fields: group_size, quantize_lm_head...
-    kv_cache_dtype: str = "auto"         # "auto" (the model's dtype), "fp8" (e4m3), "int8"
+    # "auto" (the model's dtype), "fp8" (e4m3), "int8", "int4", or a per-layer plan: a list of those
+    # names, one per layer, or ranges such as "auto:0-5,int8:6-29" (quant/kv_plan.py)
+    kv_cache_dtype: str | list[str] = "auto"
     # Pruning (workbench/compress/), applied before quantization when both are set.
     pruning: str | None = None           # None, "magnitude", "wanda", "sparsegpt"
     pruning_config: dict | None = None   # PruneConfig fields: sparsity, pattern ("2:4"), ...
@@ -178,9 +179,7 @@ class EngineConfig:
             from .spec.config import SpeculativeConfig
             self.spec_config = SpeculativeConfig.from_dict(self.speculative_config)
         self._check_parallel()
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is invalid: allowed are "
-                             + ", ".join(repr(d) for d in KV_CACHE_DTYPES))
+        self._check_kv_plan()
         if self.num_threads is not None:
             _positive_int("num_threads", self.num_threads)
         if not isinstance(self.compile, bool):
@@ -217,6 +216,7 @@ class EngineConfig:
                              "compilation is for a single-process engine (tensor_parallel_size, "
                              "pipeline_parallel_size and expert_parallel_size must be 1)")
         self._resolve_attention_backend()
+        self._check_kv_backend()
         self._check_cpu_gemv()
         self._resolve_weight_dtype()
         self._check_fused_decode()
@@ -267,6 +267,39 @@ class EngineConfig:
                     raise ValueError(f"{name}={value!r} is invalid with parallel workers: the "
                                      "parallel engine runs unquantized, unpruned models without "
                                      "speculation; set it to None or use one process")
+
+    def _check_kv_plan(self) -> None:
+        """A single format, or a per-layer plan; the plan's length is checked with the model."""
+        from .quant.kv_plan import layer_kv_dtypes
+        if layer_kv_dtypes(self.kv_cache_dtype) is None:
+            return
+        for name, value in (("speculative_config", self.speculative_config),
+                            ("tensor_parallel_size", self.tensor_parallel_size),
+                            ("pipeline_parallel_size", self.pipeline_parallel_size),
+                            ("expert_parallel_size", self.expert_parallel_size)):
+            if value not in (None, 1):
+                raise ValueError(f"{name}={value!r} is invalid with a per-layer kv_cache_dtype "
+                                 f"plan ({self.kv_cache_dtype!r}): drafters and parallel workers "
+                                 "take one KV format; use a single format or a single process "
+                                 "without speculation")
+
+    def _check_kv_backend(self) -> None:
+        """The Triton kernels read bf16, FP8 or INT8 rows of one format for all layers: INT4 rows
+        and per-layer plans go to the torch backend ("auto" on CUDA) or are refused ("triton")."""
+        from .quant.kv_plan import is_mixed, plan_formats
+        why_not = None
+        if "int4" in plan_formats(self.kv_cache_dtype):
+            why_not = "the Triton kernels do not read INT4 rows"
+        elif is_mixed(self.kv_cache_dtype):
+            why_not = "the Triton kernels read one KV format for all layers"
+        if why_not is None:
+            return
+        if self.attention_backend == "triton":
+            raise ValueError(f"attention_backend='triton' is invalid with kv_cache_dtype="
+                             f"{self.kv_cache_dtype!r}: {why_not}; use 'torch' or 'auto'")
+        if self.attention_backend == "auto" and self.torch_device.type == "cuda":
+            self.attention_backend = "torch"
+            self.attention_reason = why_not
 
     def _check_cpu_gemv(self) -> None:
         """Resolve cpu_gemv: None becomes whether the kernels can run; True must be able to."""

@@ -19,6 +19,7 @@ with); `block_tables` is the compact form that paged attention kernels read dire
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -36,10 +37,26 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     block_tables: torch.Tensor | None = None  # (num_seqs, max_blocks) int64, for paged kernels
     block_size: int = 0
-    kv_cache_dtype: str = "auto"  # "fp8"/"int8": cache rows are codes + scale (quant/kv.py)
+    # "fp8"/"int8"/"int4": cache rows are codes + scale (quant/kv.py); a tuple: one per layer
+    kv_cache_dtype: str | tuple[str, ...] = "auto"
     plan: object = None  # what the backend precomputes once per step (index tensors, masks)
     # every new token gets logits (decode, or a verification's k + 1): no prompt is being read
     decode_like: bool = False
+    layer_views: dict | None = None  # with a per-layer plan: one view of this step per format
+
+    def for_layer(self, layer: int) -> "AttentionMetadata":
+        """What layer `layer`'s attention reads: this object, or with a per-layer plan a view
+        whose kv_cache_dtype is that layer's format. Views are made once per format and step, so
+        a backend plans once per format, as it plans once per step with one format."""
+        if isinstance(self.kv_cache_dtype, str):
+            return self
+        fmt = self.kv_cache_dtype[layer]
+        if self.layer_views is None:
+            self.layer_views = {}
+        if fmt not in self.layer_views:
+            self.layer_views[fmt] = dataclasses.replace(self, kv_cache_dtype=fmt, plan=None,
+                                                        layer_views=None)
+        return self.layer_views[fmt]
 
     @property
     def num_seqs(self) -> int:

@@ -15,6 +15,8 @@ spec:          speculative decoding: every drafter vs plain decoding on single-s
 speed:         the speed ladder (eager, compiled, bf16, INT8, INT4, transformers, llama.cpp),
                where a decode step's time goes, offline-mixed against both peers, and the
                performance targets met or not (python -m workbench.bench speed --help).
+kvcomp:        KV cache compression: per-layer formats, cross-layer sharing, low-rank keys;
+               bytes per token against perplexity (python -m workbench.bench kvcomp --help).
 floor:         offline-mixed's matmul floor: its FLOPs over this CPU's bf16 GEMM rate on the
                model's shapes, aten's and prepacked (python -m workbench.bench floor --help).
 table:         results/README.md from the committed results/**/*.json: every speed run with its
@@ -55,6 +57,9 @@ def main(argv=None) -> None:
     if argv[:1] == ["compress"]:
         from . import compress
         return compress.main(argv[1:])
+    if argv[:1] == ["kvcomp"]:
+        from . import kvcomp
+        return kvcomp.main(argv[1:])
     if argv[:1] == ["floor"]:
         from . import gemm_floor
         return gemm_floor.main(argv[1:])

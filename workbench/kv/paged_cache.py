@@ -1,8 +1,8 @@
 """PagedKVCache: the tensors that hold keys and values, and the block copies the manager asks for.
 
 Per layer, K and V are each one flat tensor of `num_blocks * block_size` slots of shape
-(kv_heads, head_dim), or, with kv_cache_dtype "fp8"/"int8", (kv_heads, head_dim + 4) bytes of codes
-and a scale (quant/kv.py). Block b owns slots [b * block_size, (b + 1) * block_size). Attention backends
+(kv_heads, head_dim), or, with kv_cache_dtype "fp8"/"int8"/"int4", (kv_heads, row bytes) of codes
+and a scale (quant/kv.py). A per-layer plan (quant/kv_plan.py) gives each layer its own format. Block b owns slots [b * block_size, (b + 1) * block_size). Attention backends
 see only slot numbers (or block tables), never the allocator. A second, smaller set of tensors in CPU
 memory receives swapped-out blocks.
 """
@@ -12,35 +12,48 @@ import torch
 
 from ..models.llama import LlamaArgs
 from ..quant.kv import is_quantized, row_bytes
+from ..quant.kv_plan import resolve
 from .block_manager import BlockOps
 
 
-def kv_bytes_per_token(args: LlamaArgs, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
-    """Bytes of K and V that one token occupies in the cache, all layers together."""
-    return 2 * args.num_hidden_layers * args.num_key_value_heads * row_bytes(
-        args.head_dim, kv_cache_dtype, dtype)
+def layer_formats(args: LlamaArgs, kv_cache_dtype) -> tuple[str, ...]:
+    """The format of each layer's rows, from a single name or a per-layer plan."""
+    resolved = resolve(kv_cache_dtype, args.num_hidden_layers)
+    return (resolved,) * args.num_hidden_layers if isinstance(resolved, str) else resolved
+
+
+def kv_bytes_per_token(args: LlamaArgs, dtype: torch.dtype, kv_cache_dtype="auto") -> int:
+    """Bytes of K and V that one token occupies in the cache, summed over the layers."""
+    return sum(2 * args.num_key_value_heads * row_bytes(args.head_dim, fmt, dtype)
+               for fmt in layer_formats(args, kv_cache_dtype))
+
+
+def layer_shape(args: LlamaArgs, slots: int, fmt: str) -> tuple[int, int, int]:
+    """One layer's K (or V) tensor: float rows of head_dim, or quantized rows as bytes."""
+    width = row_bytes(args.head_dim, fmt, torch.uint8) if is_quantized(fmt) else args.head_dim
+    return (slots, args.num_key_value_heads, width)
 
 
 class PagedKVCache:
     def __init__(self, args: LlamaArgs, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, num_cpu_blocks: int = 0, kv_cache_dtype: str = "auto"):
+                 device: torch.device, num_cpu_blocks: int = 0, kv_cache_dtype="auto"):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.kv_cache_dtype = kv_cache_dtype
-        row = row_bytes(args.head_dim, kv_cache_dtype, dtype)
-        if is_quantized(kv_cache_dtype):   # codes + scale per row, as bytes (quant/kv.py)
-            shape = (num_blocks * block_size, args.num_key_value_heads, row)
-            dtype = torch.uint8
-        else:
-            shape = (num_blocks * block_size, args.num_key_value_heads, args.head_dim)
-        # torch.zeros, not empty: memory is committed now, so what the engine reports is real.
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device))
-                          for _ in range(args.num_hidden_layers)]
-        cpu_shape = (num_cpu_blocks * block_size,) + shape[1:]
+        # a single name, or a tuple of one per layer when the plan mixes formats
+        self.kv_cache_dtype = resolve(kv_cache_dtype, args.num_hidden_layers)
+        self.layer_kv_dtypes = layer_formats(args, kv_cache_dtype)
         pin = device.type == "cuda"
-        self.cpu_caches = [(torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
-                            torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin))
-                           for _ in range(args.num_hidden_layers)] if num_cpu_blocks else []
+        self.kv_caches, self.cpu_caches = [], []
+        for fmt in self.layer_kv_dtypes:
+            # quantized rows are codes + scale as bytes (quant/kv.py)
+            t_dtype = torch.uint8 if is_quantized(fmt) else dtype
+            shape = layer_shape(args, num_blocks * block_size, fmt)
+            # torch.zeros, not empty: memory is committed now, so what the engine reports is real.
+            self.kv_caches.append((torch.zeros(shape, dtype=t_dtype, device=device),
+                                   torch.zeros(shape, dtype=t_dtype, device=device)))
+            if num_cpu_blocks:
+                cpu_shape = layer_shape(args, num_cpu_blocks * block_size, fmt)
+                self.cpu_caches.append((torch.zeros(cpu_shape, dtype=t_dtype, pin_memory=pin),
+                                        torch.zeros(cpu_shape, dtype=t_dtype, pin_memory=pin)))
         self.bytes_per_token = kv_bytes_per_token(args, dtype, kv_cache_dtype)
         self.device = device
 

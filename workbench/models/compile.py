@@ -65,7 +65,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> 
     if _step is None:
         raise RuntimeError("torch.ops.workbench.attention called outside attention_context()")
     k_cache, v_cache = _step.kv_caches[layer]
-    return _step.backend.forward(q, k, v, k_cache, v_cache, _step.meta, _step.scale)
+    return _step.backend.forward(q, k, v, k_cache, v_cache, _step.meta.for_layer(layer),
+                                 _step.scale)
 
 
 _lib.impl("attention", attention, "CompositeExplicitAutograd")

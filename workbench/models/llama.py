@@ -239,8 +239,8 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         rope = backend.ops.rope_inputs(self.rotary, positions, x.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers[:num_layers], kv_caches):
-            x, residual = layer(x, residual, rope, kv_cache, meta, backend)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers[:num_layers], kv_caches)):
+            x, residual = layer(x, residual, rope, kv_cache, meta.for_layer(i), backend)
         return backend.ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
