@@ -410,7 +410,9 @@ class EngineConfig:
                                                        False):
             why_not = "semi-structured weights are sparse tensor subclasses; set it to False"
         elif self.speculative_config is not None:
-            why_not = "the drafters copy or run the model's layers outside the step; use None"
+            why_not = ("a quantized_self drafter copies the model, whose offloaded layers hold "
+                       "empty parameters, and a draft model would need an offload of its own; "
+                       "use None")
         if why_not:
             raise ValueError(f"cpu_offload_gb={gb!r} is invalid here: {why_not}")
         if self.use_fused_decode:
