@@ -38,6 +38,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     ({"cpu_offload_gb": 1, "speculative_config": {"method": "ngram",
                                                   "num_speculative_tokens": 2}},
      "cpu_offload_gb=1 is invalid here: a quantized_self drafter copies the model"),
+    ({"cpu_offload_gb": 1, "pruning": "magnitude",
+      "pruning_config": {"sparsity": 0.5, "pattern": "2:4", "semi_structured": True}},
+     "set pruning_config['semi_structured']=False"),
+    ({"cpu_offload_gb": 1, "cuda_graphs": True}, "cuda_graphs=True is invalid here"),
     ({"cpu_offload_gb": 1, "tensor_parallel_size": 2}, "the parallel workers load their own"),
 ])
 def test_bad_settings_name_the_field_the_value_and_what_is_allowed(kwargs, message):

@@ -408,7 +408,8 @@ class EngineConfig:
                        "aten layout per layer, which the swap does not move; use None")
         elif self.prune_config is not None and getattr(self.prune_config, "semi_structured",
                                                        False):
-            why_not = "semi-structured weights are sparse tensor subclasses; set it to False"
+            why_not = ("semi-structured weights are sparse tensor subclasses; set "
+                       "pruning_config['semi_structured']=False")
         elif self.speculative_config is not None:
             why_not = ("a quantized_self drafter copies the model, whose offloaded layers hold "
                        "empty parameters, and a draft model would need an offload of its own; "
