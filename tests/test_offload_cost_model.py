@@ -72,8 +72,8 @@ def test_measured_machine_numbers_are_positive(tmp_path):
     cpu = torch.device("cpu")
     for value in (measure_flops(cpu, torch.float32, n=128, repeats=1),
                   measure_memory_bandwidth(cpu, nbytes=2**20, repeats=1),
-                  measure_slow_bandwidth("disk", cpu, nbytes=2**20, directory=str(tmp_path),
-                                         repeats=1),
+                  measure_slow_bandwidth("disk", cpu, nbytes=2**20, chunk_bytes=2**18,
+                                         directory=str(tmp_path), repeats=1),
                   measure_slow_bandwidth("cpu", cpu, nbytes=2**20, repeats=1)):
         assert math.isfinite(value) and value > 0
     assert list(tmp_path.iterdir()) == []          # the probe's file is deleted

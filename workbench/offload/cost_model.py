@@ -11,7 +11,7 @@ so offloading hurts least at large batches, FlexGen's argument for throughput-or
     machine = measure_machine(device, dtype, "disk")          # three timed loops, a few seconds
     predict_tokens_per_s(layer_costs(model), head_cost(model), offloaded, batch, context, machine)
     rows = measure_offload_curve(llm_factory, [1, 4, 16, 64])  # measured against predicted
-    python -m workbench.offload.cost_model --cpu-offload-gb 0.25 --batch-sizes 1,4,16,64
+    python -m workbench.offload.cost_model --cpu-offload-gb 0.15 --batch-sizes 1,4,16,64 --num-threads 1
 """
 from __future__ import annotations
 
@@ -127,38 +127,44 @@ def measure_memory_bandwidth(device: torch.device, nbytes: int = 2**27, repeats:
 
 
 def measure_slow_bandwidth(tier: str, device: torch.device, nbytes: int = 2**27,
-                           directory: str | None = None, keep_page_cache: bool = False,
-                           repeats: int = 2) -> float:
+                           chunk_bytes: int | None = None, directory: str | None = None,
+                           keep_page_cache: bool = False, repeats: int = 2) -> float:
     """Bytes/s from the slow tier ("disk" or "cpu") into the fast memory, through the same tier
-    code the offload uses (tiers.py): a file read with the page cache dropped, or a CPU copy; on
-    CUDA the host-to-device copy is included."""
+    code the offload uses (tiers.py): `nbytes` stored as pieces of `chunk_bytes` (a layer's size:
+    small files read slower than one large one), read one after another with the page cache
+    dropped, or copied from CPU memory; on CUDA the host-to-device copy is included."""
     from .tiers import make_tier
+    chunk = min(chunk_bytes or nbytes, nbytes)
+    pieces = max(1, nbytes // chunk)
     store = make_tier(tier, device, directory, keep_page_cache)
     try:
-        store.store(0, torch.ones(nbytes, dtype=torch.uint8))
+        for i in range(pieces):
+            store.store(i, torch.ones(chunk, dtype=torch.uint8))
         pinned = device.type == "cuda"
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-        fast = torch.empty(nbytes, dtype=torch.uint8, device=device) if pinned else None
+        host = torch.empty(chunk, dtype=torch.uint8, pin_memory=pinned)
+        fast = torch.empty(chunk, dtype=torch.uint8, device=device) if pinned else None
 
         def run():
-            if pinned and tier == "cpu":
-                fast.copy_(store.tensors[0], non_blocking=True)
-            else:
-                store.read_into(0, host)
-                if pinned:
-                    fast.copy_(host, non_blocking=True)
+            for i in range(pieces):
+                if pinned and tier == "cpu":
+                    fast.copy_(store.tensors[i], non_blocking=True)
+                else:
+                    store.read_into(i, host)
+                    if pinned:
+                        fast.copy_(host, non_blocking=True)
             _sync(device)
         run()
-        return nbytes / _best_of(run, repeats)
+        return pieces * chunk / _best_of(run, repeats)
     finally:
         store.close()
 
 
 def measure_machine(device: torch.device, dtype: torch.dtype, tier: str,
-                    directory: str | None = None, keep_page_cache: bool = False) -> Machine:
+                    directory: str | None = None, keep_page_cache: bool = False,
+                    chunk_bytes: int | None = None) -> Machine:
     return Machine(measure_flops(device, dtype), measure_memory_bandwidth(device),
-                   measure_slow_bandwidth(tier, device, directory=directory,
-                                          keep_page_cache=keep_page_cache))
+                   measure_slow_bandwidth(tier, device, chunk_bytes=chunk_bytes,
+                                          directory=directory, keep_page_cache=keep_page_cache))
 
 
 # -------------------------------------------------------------------------- the measured curve
@@ -202,9 +208,11 @@ def measure_offload_curve(llm_factory, batch_sizes, prompt_len: int = 32, decode
                              "cpu_offload_gb > 0 when offload=True")
         config = offloaded.engine.config
         if machine is None:
+            spans = offloaded.engine.offload.layouts.values()
             machine = measure_machine(config.torch_device, config.torch_dtype,
                                       config.offload_tier, config.offload_dir,
-                                      config.offload_keep_page_cache)
+                                      config.offload_keep_page_cache,
+                                      chunk_bytes=max(lay.span for lay in spans))
         costs, head = layer_costs(resident.engine.model), head_cost(resident.engine.model)
         context = prompt_len + decode_tokens // 2
         for llm in (resident, offloaded):       # first steps pay one-time costs: not measured
@@ -251,6 +259,8 @@ def main(argv=None) -> None:
     p.add_argument("--batch-sizes", default="1,4,16,64")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--decode-tokens", type=int, default=8)
+    # one thread: a 2-thread step on a shared 2-core machine waits on whichever core is taken
+    p.add_argument("--num-threads", type=int, default=None)
     a = p.parse_args(argv)
     sizes = [int(b) for b in a.batch_sizes.split(",")]
     from .. import LLM
@@ -259,7 +269,8 @@ def main(argv=None) -> None:
         extra = {"cpu_offload_gb": a.cpu_offload_gb, "weight_offload": a.weight_offload} \
             if offload else {"fused_decode": False}   # both layer by layer: only offload differs
         return LLM(model=a.model, verbose=False, max_num_seqs=max(sizes),
-                   max_model_len=a.prompt_len + a.decode_tokens + 16, **extra)
+                   max_model_len=a.prompt_len + a.decode_tokens + 16,
+                   num_threads=a.num_threads, **extra)
     rows = measure_offload_curve(factory, sizes, a.prompt_len, a.decode_tokens)
     r = rows[0]
     print(format_rows(rows, f"machine: {r['flops'] / 1e9:.1f} GFLOP/s, memory "
