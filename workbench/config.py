@@ -17,6 +17,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_CACHE_LAYOUTS = ("paged", "contiguous")
+WEIGHT_OFFLOAD_TIERS = ("auto", "cpu", "disk")
 # The default KV budget holds max_num_seqs full contexts, so the default context is capped:
 # SmolLM2's full 8192 tokens x 8 sequences would take 1.5 GB in bf16.
 DEFAULT_MAX_MODEL_LEN = 1024
@@ -152,6 +153,11 @@ class EngineConfig:
     pipeline_parallel_size: int = 1      # consecutive layer stages, micro-batches in flight
     expert_parallel_size: int = 1        # experts of a moe_config model spread over ranks
     moe_config: dict | None = None       # {"num_experts": E, "top_k": k}: the MLPs cut into experts
+    # Weight offload (workbench/offload/): whole decoder layers, from the last one backwards.
+    cpu_offload_gb: float = 0            # GiB of layer weights kept in the slow tier (vLLM's knob)
+    weight_offload: str = "auto"         # the slow tier: "cpu" (pinned memory), "disk" (files)
+    offload_dir: str | None = None       # where "disk" writes its files; None: a temporary dir
+    offload_keep_page_cache: bool = False  # True: disk reads may hit the OS page cache
 
     def __post_init__(self) -> None:
         self.torch_device = resolve_device(self.device)
@@ -221,6 +227,7 @@ class EngineConfig:
         self._resolve_weight_dtype()
         self._check_fused_decode()
         self._check_cuda_graphs()
+        self._check_weight_offload()
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r} is invalid: it must be an integer")
         _positive_int("block_size", self.block_size)
@@ -395,6 +402,58 @@ class EngineConfig:
             why_not = "graphs are for a single-process engine; set the parallel sizes to 1"
         if why_not:
             raise ValueError(f"cuda_graphs=True is invalid here: {why_not}")
+
+    def _check_weight_offload(self) -> None:
+        """Resolve weight_offload ("auto": "cpu" on CUDA, "disk" on CPU) and refuse the paths that
+        read every layer's weights at once or cache their addresses (workbench/offload/)."""
+        gb = self.cpu_offload_gb
+        if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0 <= gb < float("inf"):
+            raise ValueError(f"cpu_offload_gb={gb!r} is invalid: it must be a number of GiB >= 0")
+        if self.weight_offload not in WEIGHT_OFFLOAD_TIERS:
+            raise ValueError(f"weight_offload={self.weight_offload!r} is invalid: allowed values "
+                             "are " + ", ".join(WEIGHT_OFFLOAD_TIERS))
+        if self.offload_dir is not None and not isinstance(self.offload_dir, str):
+            raise ValueError(f"offload_dir={self.offload_dir!r} is invalid: it must be a directory "
+                             "path (str) or None")
+        if not isinstance(self.offload_keep_page_cache, bool):
+            raise ValueError(f"offload_keep_page_cache={self.offload_keep_page_cache!r} is "
+                             "invalid: allowed are True, False")
+        self.offload_tier = self.weight_offload
+        if self.weight_offload == "auto":
+            self.offload_tier = "cpu" if self.torch_device.type == "cuda" else "disk"
+        self.use_weight_offload = gb > 0
+        if not self.use_weight_offload:
+            return
+        why_not = None
+        if self.world_size > 1:
+            why_not = "the parallel workers load their own shards; set the parallel sizes to 1"
+        elif self.compile:
+            why_not = ("the compiled forward does not call the layers' hooks that bring their "
+                       "weights in; set compile=False")
+        elif self.cuda_graphs:
+            why_not = ("a graph replays the addresses it captured, and offloaded layers read a "
+                       "different buffer each step; set cuda_graphs=False")
+        elif self.fused_decode is True:
+            why_not = ("the fused step reads every layer's weights in one call, and only two "
+                       "offloaded layers fit the resident buffers; set fused_decode=None or False")
+        elif self.quantization is not None:
+            why_not = (f"quantization={self.quantization!r} keeps packed codes and caches their "
+                       "aten layout per layer, which the swap does not move; use None")
+        elif self.prune_config is not None and getattr(self.prune_config, "semi_structured",
+                                                       False):
+            why_not = ("semi-structured weights are sparse tensor subclasses; set "
+                       "pruning_config['semi_structured']=False")
+        elif self.speculative_config is not None:
+            why_not = ("a quantized_self drafter copies the model, whose offloaded layers hold "
+                       "empty parameters, and a draft model would need an offload of its own; "
+                       "use None")
+        if why_not:
+            raise ValueError(f"cpu_offload_gb={gb!r} is invalid here: {why_not}")
+        if self.use_fused_decode:
+            # auto fused step off: it would need every offloaded layer resident at once
+            self.use_fused_decode = False
+            self.fused_decode_reason = ("weight offload brings layers in one at a time, and the "
+                                        "fused step reads all of them in one call")
 
     @property
     def world_size(self) -> int:

@@ -61,6 +61,10 @@ class LLM:
         kv = f", kv_cache_dtype={e.config.kv_cache_dtype}" if e.config.kv_cache_dtype != "auto" else ""
         if e.device.type == "cpu" and e.executor is None:
             kv += self._cpu_paths()
+        if e.offload is not None:
+            kv += (f", weight offload: layers {e.offload.describe_layers()} "
+                   f"({e.offload.offloaded_bytes / 2**20:.0f} MiB) in the {e.offload.tier.name} "
+                   "tier, two resident buffers")
         if e.config.cuda_graphs:
             g = e.runner.forward_fn
             kv += (f", decode steps: CUDA graphs for batch sizes {g.sizes[0]}-{g.sizes[-1]} "
@@ -90,7 +94,8 @@ class LLM:
         return ", " + ", ".join(parts)
 
     def close(self) -> None:
-        """Stop the worker processes of a parallel engine; the LLM cannot generate afterwards.
+        """Stop the worker processes of a parallel engine and the weight offload's prefetcher
+        (its files are deleted); the LLM cannot generate afterwards.
         (They also stop when the LLM is garbage-collected or the kernel exits.)"""
         self.engine.close()
 
@@ -125,7 +130,8 @@ class LLM:
                 "prefix_cache_hits": blocks.prefix_hits, "prefix_cache_hit_rate": blocks.hit_rate,
                 "evictions": pool.num_evictions,
                 "preemptions": sum(r.num_preempted for r in self.engine.trace),
-                **self._spec_stats()}
+                **self._spec_stats(),
+                **(self.engine.offload.stats() if self.engine.offload is not None else {})}
 
     def _spec_stats(self) -> dict:
         """Speculative decoding since the engine started, from the step records."""

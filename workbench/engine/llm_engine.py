@@ -64,6 +64,7 @@ class LLMEngine:
             num_cpu_blocks=config.num_cpu_blocks,
             reserve_tokens=config.max_model_len if config.kv_cache_layout == "contiguous" else None)
         self.executor = None                         # the workers of a parallel engine
+        self.offload = None                          # WeightOffload when cpu_offload_gb > 0
         self.model = self.cache = self.runner = None
         if config.world_size > 1:
             if is_pruned_checkpoint(self.checkpoint):
@@ -152,6 +153,11 @@ class LLMEngine:
         if config.batch_invariant:
             from ..models.batch_invariant import make_batch_invariant
             make_batch_invariant(self.model)
+        if config.use_weight_offload:                # last: the layers' final parameters move
+            from ..offload import offload_model
+            self.offload = offload_model(self.model, config)
+            from ..memory import release_memory
+            release_memory()        # the offloaded layers' resident copies
         self.cache = PagedKVCache(self.model_args, config.num_kv_blocks, config.block_size,
                                   self.dtype, self.device, config.num_cpu_blocks,
                                   kv_cache_dtype=config.kv_cache_dtype)
@@ -188,9 +194,13 @@ class LLMEngine:
                                                          self.config.kv_cache_dtype)
 
     def close(self) -> None:
-        """Stop the worker processes of a parallel engine (a single-process engine has none)."""
+        """Stop the worker processes of a parallel engine (a single-process engine has none) and
+        the weight offload's prefetch thread, deleting its files."""
         if self.executor is not None:
             self.executor.close()
+        if self.offload is not None:
+            self.offload.close()
+            self.offload = None
 
     def _calibration(self, knob: str, cfg, calibrated: tuple) -> list[list[int]] | None:
         """The calibration windows cfg asks for when its method is one of `calibrated`, else None
