@@ -91,7 +91,7 @@ class Comm:
         t0 = time.perf_counter()
         t = t.contiguous()
         out = t.new_empty((self.size * t.shape[0],) + tuple(t.shape[1:]))
-        dist.all_gather_into_tensor(out, t, group=self.group)
+        dist.all_gather_single(out, t, group=self.group)
         self._record("all_gather_tokens", _nbytes(t), t0)
         self._record_sent("all_gather_tokens", (self.size - 1) * _nbytes(t),
                           self._ring_share(out, rows))
