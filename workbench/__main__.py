@@ -99,6 +99,8 @@ def main(argv=None) -> int:
         p.add_argument("--device", default="auto")
         p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
         p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+        p.add_argument("--sequence-parallel", "-sp", action="store_true",
+                       help="split the tokens between blocks over the tensor-parallel ranks")
         p.add_argument("--expert-parallel-size", "-ep", type=int, default=1)
         p.add_argument("--moe-experts", type=int, default=None,
                        help="cut each MLP into this many experts (a mixture of experts)")
@@ -127,6 +129,7 @@ def main(argv=None) -> int:
         llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
                   tensor_parallel_size=args.tensor_parallel_size,
                   pipeline_parallel_size=args.pipeline_parallel_size,
+                  sequence_parallel=args.sequence_parallel,
                   expert_parallel_size=args.expert_parallel_size, moe_config=moe)
         if args.command == "info":
             llm.close()
@@ -185,7 +188,8 @@ def serve_main(args) -> int:
                   enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
                   tpot_slo=args.tpot_slo,
                   tensor_parallel_size=args.tensor_parallel_size,
-                  pipeline_parallel_size=args.pipeline_parallel_size)
+                  pipeline_parallel_size=args.pipeline_parallel_size,
+                  sequence_parallel=args.sequence_parallel)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -153,6 +153,7 @@ class EngineConfig:
     pipeline_parallel_size: int = 1      # consecutive layer stages, micro-batches in flight
     expert_parallel_size: int = 1        # experts of a moe_config model spread over ranks
     moe_config: dict | None = None       # {"num_experts": E, "top_k": k}: the MLPs cut into experts
+    sequence_parallel: bool = False      # tokens split over the TP ranks between blocks (Megatron SP)
     # Weight offload (workbench/offload/): whole decoder layers, from the last one backwards.
     cpu_offload_gb: float = 0            # GiB of layer weights kept in the slow tier (vLLM's knob)
     weight_offload: str = "auto"         # the slow tier: "cpu" (pinned memory), "disk" (files)
@@ -258,6 +259,13 @@ class EngineConfig:
                                  "keys 'num_experts' and 'top_k'")
             for key in ("num_experts", "top_k"):
                 _positive_int(f"moe_config['{key}']", self.moe_config.get(key))
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"sequence_parallel={self.sequence_parallel!r} is invalid: allowed "
+                             "are True, False")
+        if self.sequence_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("sequence_parallel=True is invalid with tensor_parallel_size=1: it "
+                             "splits the tokens over the tensor-parallel ranks; set "
+                             "tensor_parallel_size > 1 or sequence_parallel=False")
         if self.expert_parallel_size > 1:
             if self.moe_config is None:
                 raise ValueError(f"expert_parallel_size={self.expert_parallel_size} is invalid "

@@ -476,9 +476,10 @@ class LLMEngine:
         if not self._in_flight:
             return []
         scheduler, batch, ops, n, (t0, t1, t_draft, t2) = self._in_flight.pop(0)
-        out, stats, spans = self.executor.result(n)
+        out, stats, spans, sent, residual = self.executor.result(n)
         t3 = time.perf_counter()
-        comm = {"comm": merge_stats(*stats), "stage_spans": spans, "micro_batch":
+        comm = {"comm": merge_stats(*stats), "comm_sent": merge_stats(*sent),
+                "residual_bytes": residual, "stage_spans": spans, "micro_batch":
                 self.schedulers.index(scheduler), "num_in_flight": len(self._in_flight) + 1}
         return self._complete(scheduler, batch, ops, out, (t0, t1, t_draft, t2, t3), comm)
 

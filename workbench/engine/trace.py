@@ -49,6 +49,11 @@ class StepRecord:
     # (time.monotonic, one clock for all processes of a machine); which scheduler (pipeline micro-batch slot) it
     # came from; batches in the pipeline when this one was collected.
     comm: dict[str, tuple[int, int, float]] = field(default_factory=dict)
+    # ... bytes that rank put on the wire per collective: (with the algorithm used, with a ring
+    # algorithm on the unpadded tensor); per stage, the bytes of the hidden states and residual
+    # stream one of its ranks held between layers (1/tp of them with sequence_parallel).
+    comm_sent: dict[str, tuple[int, int]] = field(default_factory=dict)
+    residual_bytes: list[int] = field(default_factory=list)
     stage_spans: list[tuple[float, float]] = field(default_factory=list)
     micro_batch: int = 0
     num_in_flight: int = 1

@@ -44,7 +44,8 @@ def worker_spec(config, checkpoint, layout: Layout):
         num_cpu_blocks=config.num_cpu_blocks, kv_cache_dtype=config.kv_cache_dtype,
         attention_backend=config.attention_backend, tensor=layout.tensor,
         pipeline=layout.pipeline, expert=layout.expert, moe=config.moe_config,
-        num_threads=threads, store_host="", store_port=0)
+        num_threads=threads, store_host="", store_port=0,
+        sequence_parallel=config.sequence_parallel)
 
 
 def start_workers(config, checkpoint, args):

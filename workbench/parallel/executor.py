@@ -139,18 +139,21 @@ class DistributedExecutor:
 
     def result(self, n: int):
         """(ForwardOutput of the last stage, communication counts of every stage, (start, end)
-        of each stage's first rank on time.monotonic's clock) for step n."""
-        stats, spans, out = [], [], None
+        of each stage's first rank on time.monotonic's clock, bytes each stage's first rank sent
+        per collective as (algorithm, ring ideal), its residual-stream bytes) for step n."""
+        stats, spans, sent, residual, out = [], [], [], [], None
         for stage in range(self.layout.pipeline):
             key = f"out/{n}/{stage}"
-            o, s, b = pickle.loads(self._wait(key))
+            o, s, b, w, r = pickle.loads(self._wait(key))
             self.store.delete_key(key)
             stats.append(s)
             spans.append(b)
+            sent.append(w)
+            residual.append(r)
             if o is not None:
                 out = o
         self.store.delete_key(f"step/{n}")
-        return out, stats, spans
+        return out, stats, spans, sent, residual
 
     def run(self, step):
         return self.result(self.submit(step))

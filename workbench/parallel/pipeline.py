@@ -40,11 +40,13 @@ class Stage:
     norm (last stage). Hidden states and the residual stream cross each boundary."""
 
     def __init__(self, model, layers: range, index: int, num_stages: int, comm: Comm,
-                 prev_rank: int | None, next_rank: int | None):
+                 prev_rank: int | None, next_rank: int | None, split=None):
         self.model, self.layers, self.index = model, layers, index
         self.first, self.last = index == 0, index == num_stages - 1
         self.comm, self.prev_rank, self.next_rank = comm, prev_rank, next_rank
+        self.split = split        # a sequence.TokenSplit when the layers are sequence-parallel
         self.work_start = 0.0     # when the last forward had its inputs (after waiting in recv)
+        self.residual_bytes = 0   # hidden states + residual stream this rank held between layers
         # Drop the layers of the other stages; the KV cache is built for these only.
         model.layers = torch.nn.ModuleList(model.layers[i] for i in layers)
 
@@ -53,21 +55,27 @@ class Stage:
         model = self.model
         n, h = input_ids.shape[0], model.args.hidden_size
         dtype = model.norm.weight.dtype
+        rows = n
+        if self.split is not None:
+            self.split.tokens = n
+            rows = self.split.local       # a peer in the next stage holds the same token slice
         if self.first:
             self.work_start = time.monotonic()
             x, residual = model.embed_tokens(input_ids), None
         else:
-            x = self.comm.recv((n, h), dtype, self.prev_rank, input_ids.device)
-            residual = self.comm.recv((n, h), dtype, self.prev_rank, input_ids.device)
+            x = self.comm.recv((rows, h), dtype, self.prev_rank, input_ids.device)
+            residual = self.comm.recv((rows, h), dtype, self.prev_rank, input_ids.device)
         self.work_start = time.monotonic()
         rope = backend.ops.rope_inputs(model.rotary, positions, dtype)
         for layer, kv_cache in zip(model.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, meta, backend)
+        self.residual_bytes = sum(t.numel() * t.element_size() for t in (x, residual))
         if not self.last:
             self.comm.send(x, self.next_rank)
             self.comm.send(residual, self.next_rank)
             return None
-        return backend.ops.rms_norm(x, model.norm.weight, model.norm.eps, residual)[0]
+        hidden = backend.ops.rms_norm(x, model.norm.weight, model.norm.eps, residual)[0]
+        return hidden if self.split is None else self.split.gather(hidden)
 
 
 def gpipe_schedule(num_stages: int, num_microbatches: int) -> list[tuple[int, int, int]]:

@@ -54,12 +54,13 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
         self.start, self.comm = start, comm
+        self.split = None    # a sequence.TokenSplit: reduce-scatter over tokens, not all-reduce
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return self.comm.all_reduce(x.masked_fill(outside[:, None], 0))
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[:, None], 0)
+        return self.comm.all_reduce(x) if self.split is None else self.split.scatter(x)
 
 
 class VocabParallelLMHead(nn.Module):

@@ -56,6 +56,7 @@ class WorkerSpec:
     store_port: int
     collective_timeout_s: float = 120.0
     staggered_load: bool = False      # one rank loads at a time (processes spawned on one machine)
+    sequence_parallel: bool = False   # tokens split over the tensor-parallel ranks between blocks
 
 
 def _groups(layout, rank: int):
@@ -97,6 +98,7 @@ def build_shard(spec: WorkerSpec, rank: int, device: torch.device, store=None):
     from .layout import Layout
     from .moe import ExpertParallelMoE, MoEMLP
     from .pipeline import Stage, stage_layers
+    from .sequence import TokenSplit, sequence_parallel_layer
     from .tensor import check_tensor_parallel, shard_layer, shard_vocabulary
 
     layout = Layout(spec.tensor, spec.pipeline, spec.expert)
@@ -105,6 +107,7 @@ def build_shard(spec: WorkerSpec, rank: int, device: torch.device, store=None):
     layer_args = read_args(Path(spec.checkpoint))
     if spec.tensor > 1:
         check_tensor_parallel(layer_args, spec.tensor)
+    split = TokenSplit(group_comm) if spec.sequence_parallel else None
     with _one_load_at_a_time(store, rank, spec.staggered_load):
         tp_rank = layout.group_rank(rank)
 
@@ -115,6 +118,8 @@ def build_shard(spec: WorkerSpec, rank: int, device: torch.device, store=None):
                 layer.mlp = MoEMLP(layer.mlp, spec.moe["num_experts"], spec.moe["top_k"])
             if spec.tensor > 1:
                 shard_layer(layer, layer_args, tp_rank, spec.tensor, group_comm)
+            if split is not None:
+                sequence_parallel_layer(layer, split)
             if spec.expert > 1:
                 layer.mlp = ExpertParallelMoE(layer.mlp, group_comm)
 
@@ -122,11 +127,12 @@ def build_shard(spec: WorkerSpec, rank: int, device: torch.device, store=None):
                            on_layer=prepare_layer)
         if spec.tensor > 1:
             shard_vocabulary(model, tp_rank, spec.tensor, group_comm)
+            model.embed_tokens.split = split
         s = layout.stage_of(rank)
         layers = stage_layers(model.args.num_hidden_layers, spec.pipeline)[s]
         stage = Stage(model, layers, s, spec.pipeline, world_comm,
                       layout.peer(rank, s - 1) if s > 0 else None,
-                      layout.peer(rank, s + 1) if s < spec.pipeline - 1 else None)
+                      layout.peer(rank, s + 1) if s < spec.pipeline - 1 else None, split)
         release_memory()        # the full-size tensors and other stages' layers just dropped
     local_args = dataclasses.replace(
         model.args, num_hidden_layers=len(layers),
@@ -190,8 +196,10 @@ def _loop(spec, rank, store, device, parent_pid, layout, stage, runner, comms) -
         # one clock for every process of a machine, so the driver can draw all stages together.
         span = (stage.work_start, time.monotonic())
         stats = merge_stats(*(c.take_stats() for c in comms if c is not None))
+        sent = merge_stats(*(c.take_sent() for c in comms if c is not None))
         if reports:
-            store.set(f"out/{n}/{stage.index}", pickle.dumps((out, stats, span)))
+            store.set(f"out/{n}/{stage.index}",
+                      pickle.dumps((out, stats, span, sent, stage.residual_bytes)))
         n += 1
 
 
