@@ -200,8 +200,12 @@ def compression_table(llm, num_windows: int = 2, window_len: int = 128,
                       groups: tuple[int, ...] = (2,)) -> list[dict]:
     """One row per (method, setting): KV bytes per token, ratio to the model-dtype cache,
     perplexity on `num_windows` held-out windows and its increase over the model-dtype cache.
-    Layer sensitivities are measured on the first `sensitivity_windows` of them (one forward per
-    layer and window: the expensive part)."""
+    Layer sensitivities and key bases are measured on calibration text, never on the held-out
+    windows that score the plans: sensitivities on the first `sensitivity_windows` calibration
+    windows (one forward per layer and window: the expensive part)."""
+    if not 1 <= sensitivity_windows <= calibration_windows_count:
+        raise ValueError(f"sensitivity_windows={sensitivity_windows} is invalid: it must be between "
+                         f"1 and calibration_windows_count={calibration_windows_count}")
     engine = llm.engine if hasattr(llm, "engine") else llm
     model, tok, args = engine.model, engine.tokenizer, engine.model_args
     dtype, n = model.embed_tokens.weight.dtype, args.num_hidden_layers
@@ -210,7 +214,7 @@ def compression_table(llm, num_windows: int = 2, window_len: int = 128,
     settings: list[tuple[str, str, KVTransform]] = [("model dtype", str(dtype), KVTransform())]
     for fmt in ("fp8", "int8", "int4"):
         settings.append(("uniform", fmt, KVTransform(fmt)))
-    sens = layer_sensitivity(model, windows[:sensitivity_windows], "int4")
+    sens = layer_sensitivity(model, calib[:sensitivity_windows], "int4")
     for c, plan in depth_plans(n, list(counts)).items():
         settings.append(("per-layer, by depth", f"int8 x{c} shallowest, int4 rest",
                          KVTransform(plan)))
