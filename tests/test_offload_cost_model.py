@@ -10,7 +10,8 @@ from workbench import LLM
 from workbench.offload.cost_model import (LayerCost, Machine, compute_time, head_cost, layer_costs,
                                           measure_flops, measure_memory_bandwidth,
                                           measure_offload_curve, measure_slow_bandwidth,
-                                          predict_step_time, predict_tokens_per_s)
+                                          predict_from_resident, predict_step_time,
+                                          predict_tokens_per_s)
 
 MACHINE = Machine(flops=1e9, memory_bandwidth=1e8, slow_bandwidth=1e7)
 LAYER = LayerCost(weight_bytes=1_000_000, matmul_params=500_000, attention_width=64,
@@ -79,6 +80,20 @@ def test_measured_machine_numbers_are_positive(tmp_path):
     assert list(tmp_path.iterdir()) == []          # the probe's file is deleted
 
 
+def test_prediction_from_a_measured_resident_step():
+    layers = [LAYER, LAYER]
+    # roofline resident step at batch 4: 2 + 2 x 11.024 = 24.048 ms; measured 48.096 ms: factor 2,
+    # so each layer computes 22.048 ms and the head 4 ms
+    measured = 0.048096
+    assert predict_from_resident(measured, layers, HEAD, [], 4, 100, MACHINE) == \
+        pytest.approx(measured, rel=1e-12)
+    # layer 1 offloaded: its 100 ms transfer exceeds its 22.048 ms compute
+    assert predict_from_resident(measured, layers, HEAD, {1}, 4, 100, MACHINE) == \
+        pytest.approx(0.004 + 0.022048 + 0.1, rel=1e-12)
+    assert predict_from_resident(measured, layers, HEAD, {1}, 4, 100, MACHINE, overlap=False) == \
+        pytest.approx(0.004 + 2 * 0.022048 + 0.1, rel=1e-12)
+
+
 def test_measured_curve_rows(tiny_folder):
     def factory(offload: bool):
         extra = {"cpu_offload_gb": 1.0} if offload else {}
@@ -96,6 +111,10 @@ def test_measured_curve_rows(tiny_folder):
         assert r["relative_error"] == pytest.approx(
             (r["predicted_step_s"] - r["measured_step_s"]) / r["measured_step_s"])
         assert (r["flops"], r["slow_bandwidth"]) == (MACHINE.flops, MACHINE.slow_bandwidth)
+        assert r["calibrated_error"] == pytest.approx(
+            (r["calibrated_step_s"] - r["measured_step_s"]) / r["measured_step_s"])
+    for resident in rows[0::2]:            # calibrated on the resident step itself
+        assert resident["calibrated_step_s"] == pytest.approx(resident["measured_step_s"])
     # the prediction is the model's, for the engine's own placement
     off = rows[1]
     assert off["predicted_step_s"] > rows[0]["predicted_step_s"]

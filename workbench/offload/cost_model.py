@@ -11,6 +11,7 @@ so offloading hurts least at large batches, FlexGen's argument for throughput-or
     machine = measure_machine(device, dtype, "disk")          # three timed loops, a few seconds
     predict_tokens_per_s(layer_costs(model), head_cost(model), offloaded, batch, context, machine)
     rows = measure_offload_curve(llm_factory, [1, 4, 16, 64])  # measured against predicted
+    predict_from_resident(resident_step_s, ...)   # the roofline's compute scaled to a measured step
     python -m workbench.offload.cost_model --cpu-offload-gb 0.15 --batch-sizes 1,4,16,64 --num-threads 1
 """
 from __future__ import annotations
@@ -77,6 +78,23 @@ def predict_step_time(layers: list[LayerCost], head: LayerCost, offloaded, batch
     total = compute_time(head, batch, 0, machine)
     for i, cost in enumerate(layers):
         compute = compute_time(cost, batch, context, machine)
+        transfer = cost.weight_bytes / machine.slow_bandwidth if i in offloaded else 0.0
+        total += max(compute, transfer) if overlap else compute + transfer
+    return total
+
+
+def predict_from_resident(resident_step_s: float, layers: list[LayerCost], head: LayerCost,
+                          offloaded, batch: int, context: int, machine: Machine,
+                          overlap: bool = True) -> float:
+    """The offloaded step predicted from a measured resident step (FlexGen profiles compute the
+    same way): each layer's roofline compute is scaled by one factor so that the resident
+    prediction equals the measurement, which folds in what the roofline leaves out (small matmuls
+    below peak, Python, sampling), and only the transfers come from the model."""
+    factor = resident_step_s / predict_step_time(layers, head, [], batch, context, machine)
+    offloaded = set(offloaded)
+    total = factor * compute_time(head, batch, 0, machine)
+    for i, cost in enumerate(layers):
+        compute = factor * compute_time(cost, batch, context, machine)
         transfer = cost.weight_bytes / machine.slow_bandwidth if i in offloaded else 0.0
         total += max(compute, transfer) if overlap else compute + transfer
     return total
@@ -224,12 +242,19 @@ def measure_offload_curve(llm_factory, batch_sizes, prompt_len: int = 32, decode
                 run = _decode_run(llm, batch, prompt_len, decode_tokens, seed)
                 predicted = predict_step_time(costs, head, placement, batch, context, machine,
                                               overlap)
+                if name == "resident":
+                    resident_step = run["step_s"]
+                calibrated = predict_from_resident(resident_step, costs, head, placement, batch,
+                                                   context, machine, overlap)
                 rows.append({
                     "batch_size": batch, "weights": name, "offloaded_layers": len(placement),
                     "measured_step_s": run["step_s"], "measured_forward_s": run["forward_s"],
                     "measured_tokens_per_s": batch / run["step_s"],
                     "predicted_step_s": predicted, "predicted_tokens_per_s": batch / predicted,
                     "relative_error": (predicted - run["step_s"]) / run["step_s"],
+                    "calibrated_step_s": calibrated,
+                    "calibrated_tokens_per_s": batch / calibrated,
+                    "calibrated_error": (calibrated - run["step_s"]) / run["step_s"],
                     "stall_s_per_step": run.get("stall_s", 0.0) / run["steps"],
                     "decode_steps": run["steps"], "flops": machine.flops,
                     "memory_bandwidth": machine.memory_bandwidth,
@@ -242,12 +267,13 @@ def measure_offload_curve(llm_factory, batch_sizes, prompt_len: int = 32, decode
 
 def format_rows(rows: list[dict], machine_line: str = "") -> str:
     lines = [machine_line] if machine_line else []
-    lines.append("batch  weights    layers off  measured tok/s  predicted tok/s  error  "
-                 "stall/step")
+    lines.append("batch  weights    layers off  measured tok/s  roofline tok/s  error  "
+                 "from resident  error  stall/step")
     for r in rows:
         lines.append(f"{r['batch_size']:>5}  {r['weights']:<9}  {r['offloaded_layers']:>10}  "
-                     f"{r['measured_tokens_per_s']:>14.1f}  {r['predicted_tokens_per_s']:>15.1f}"
-                     f"  {r['relative_error']:>+5.0%}  {r['stall_s_per_step'] * 1e3:>7.1f} ms")
+                     f"{r['measured_tokens_per_s']:>14.1f}  {r['predicted_tokens_per_s']:>14.1f}"
+                     f"  {r['relative_error']:>+5.0%}  {r['calibrated_tokens_per_s']:>13.1f}"
+                     f"  {r['calibrated_error']:>+5.0%}  {r['stall_s_per_step'] * 1e3:>7.1f} ms")
     return "\n".join(lines)
 
 
