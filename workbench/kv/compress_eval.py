@@ -197,12 +197,14 @@ def depth_plans(num_layers: int, counts: list[int], high: str = "int8",
 def compression_table(llm, num_windows: int = 2, window_len: int = 128,
                       sensitivity_windows: int = 1, calibration_windows_count: int = 4,
                       counts: tuple[int, ...] = (6, 12), ranks: tuple[int, ...] = (16, 32, 48),
-                      groups: tuple[int, ...] = (2,)) -> list[dict]:
+                      groups: tuple[int, ...] = (2,),
+                      sensitivity: list[float] | None = None) -> list[dict]:
     """One row per (method, setting): KV bytes per token, ratio to the model-dtype cache,
     perplexity on `num_windows` held-out windows and its increase over the model-dtype cache.
     Layer sensitivities and key bases are measured on calibration text, never on the held-out
     windows that score the plans: sensitivities on the first `sensitivity_windows` calibration
-    windows (one forward per layer and window: the expensive part)."""
+    windows (one forward per layer and window: the expensive part), unless `sensitivity` gives
+    them (layer_sensitivity's list, measured by the caller on calibration text)."""
     if not 1 <= sensitivity_windows <= calibration_windows_count:
         raise ValueError(f"sensitivity_windows={sensitivity_windows} is invalid: it must be between "
                          f"1 and calibration_windows_count={calibration_windows_count}")
@@ -214,7 +216,10 @@ def compression_table(llm, num_windows: int = 2, window_len: int = 128,
     settings: list[tuple[str, str, KVTransform]] = [("model dtype", str(dtype), KVTransform())]
     for fmt in ("fp8", "int8", "int4"):
         settings.append(("uniform", fmt, KVTransform(fmt)))
-    sens = layer_sensitivity(model, calib[:sensitivity_windows], "int4")
+    sens = sensitivity if sensitivity is not None else layer_sensitivity(
+        model, calib[:sensitivity_windows], "int4")
+    if len(sens) != n:
+        raise ValueError(f"sensitivity has {len(sens)} entries: one per layer ({n}) is required")
     for c, plan in depth_plans(n, list(counts)).items():
         settings.append(("per-layer, by depth", f"int8 x{c} shallowest, int4 rest",
                          KVTransform(plan)))
