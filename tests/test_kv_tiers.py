@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from random_ops import drive, operations
+from random_ops import drive
 from workbench import LLM, SamplingParams
 from workbench.kv import disk_tier
 from workbench.kv.block_manager import BlockManager, chain_hash
@@ -158,24 +158,42 @@ def check_books_and_files(engine) -> None:
     assert files - set(tiers.disk) <= {op[1] for op in tiers.ops if op[0] == "delete"}
 
 
-@settings(max_examples=20, deadline=None)
-@given(ops=operations(st.tuples(st.integers(0, 2), st.integers(0, 8), st.integers(1, 6))))
-def test_invariants_and_tokens_under_random_operations(tiny_folder, tiny_reference, ops, tmp_path_factory):
-    path = tmp_path_factory.mktemp("disk")
-    llm = LLM(model=str(tiny_folder), batch_invariant=True, num_kv_blocks=12, max_num_seqs=2,
-              enable_prefix_caching=True, kv_cpu_tier_bytes=3 * 4 * 512,
-              kv_disk_tier_bytes=5 * 4 * 512, kv_disk_tier_path=str(path), **TINY)
-    assert llm.engine.cache.bytes_per_token == 512     # 2 layers x K,V x 2 heads x 16 x fp32
-    engine = llm.engine
+def test_invariants_and_tokens_under_random_operations(tiny_folder, tiny_reference,
+                                                       tmp_path_factory):
+    """Random adds, aborts and steps over a pool of 8 blocks, with tiers of 3 (CPU) and 5 (disk)
+    blocks: after every operation the books and the files agree and each hash lives in one place;
+    every request's tokens equal the resident engine's; over all examples both tiers served hits."""
+    hits = {"cpu": 0, "disk": 0}
+    add_args = st.tuples(st.integers(0, 2), st.integers(0, 12), st.integers(1, 6))
+    ops_lists = st.lists(st.one_of(st.tuples(st.just("add"), add_args),
+                                   st.tuples(st.just("abort"), st.integers(0, 30)),
+                                   st.tuples(st.just("step"), st.integers(1, 3))),
+                         min_size=10, max_size=30)
 
-    def add(engine, args):
-        prompt = tiny_prompt(args[0], args[1])
-        return engine.add_request(prompt, greedy(args[2])), (prompt, args[2])
+    @settings(max_examples=12, deadline=None, database=None)
+    @given(ops=ops_lists)
+    def run(ops):
+        llm = LLM(model=str(tiny_folder), batch_invariant=True, num_kv_blocks=8, max_num_seqs=2,
+                  enable_prefix_caching=True, kv_cpu_tier_bytes=3 * 4 * 512,
+                  kv_disk_tier_bytes=5 * 4 * 512,
+                  kv_disk_tier_path=str(tmp_path_factory.mktemp("disk")), **TINY)
+        assert llm.engine.cache.bytes_per_token == 512   # 2 layers x K,V x 2 heads x 16 x fp32
+        engine = llm.engine
 
-    done = drive(engine, ops, add, check_books_and_files)
-    for rid, (prompt, max_tokens) in done.items():
-        assert engine.pop_output(rid).outputs[0].token_ids == tiny_reference(prompt, max_tokens)
-    assert engine.blocks.pool.num_used == 0
+        def add(engine, args):
+            prompt = tiny_prompt(args[0], args[1])
+            return engine.add_request(prompt, greedy(args[2])), (prompt, args[2])
+
+        done = drive(engine, ops, add, check_books_and_files)
+        for rid, (prompt, max_tokens) in done.items():
+            assert engine.pop_output(rid).outputs[0].token_ids == \
+                tiny_reference(prompt, max_tokens)
+        assert engine.blocks.pool.num_used == 0
+        for tier in hits:
+            hits[tier] += engine.blocks.tier_hits[tier]
+
+    run()
+    assert hits["cpu"] > 0 and hits["disk"] > 0
 
 
 def test_restart_reuses_the_disk_tier_and_a_mismatch_loads_nothing(tiny_folder, tmp_path, caplog):
