@@ -11,6 +11,7 @@ over the tier's bandwidth.
 """
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import sys
@@ -30,6 +31,8 @@ def _engine(mode: str, model: str, pool_blocks: int, block_size: int, max_model_
     if mode == "cpu":
         kw["kv_cpu_tier_bytes"] = 2 * pool_blocks * block_bytes
     elif mode == "disk":
+        if disk_dir is not None:
+            os.makedirs(disk_dir, exist_ok=True)
         kw.update(kv_disk_tier_bytes=4 * pool_blocks * block_bytes,
                   kv_disk_tier_path=tempfile.mkdtemp(prefix="kv-tier-", dir=disk_dir))
     llm = LLM(**kw)
