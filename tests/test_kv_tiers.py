@@ -3,6 +3,7 @@ ops and CPU slots for hand-written sequences; books and files consistent after e
 random request sequences, with the tokens of the resident engine; SmolLM2's greedy tokens with
 spills and loads equal to the plain engine's; a disk tier reused by a new engine, and refused under
 another manifest."""
+import json
 import logging
 import random
 
@@ -220,6 +221,8 @@ def test_restart_reuses_the_disk_tier_and_a_mismatch_loads_nothing(tiny_folder, 
         other.generate([prompt], greedy(4))
         assert other.stats()["kv_disk_tier_hits"] == 0
         kw.update(change)                             # the directory is now this engine's
+    manifest = json.loads((tmp_path / disk_tier.MANIFEST).read_text())
+    assert (manifest["block_size"], manifest["dtype"], manifest["head_dim"]) == (8, "bfloat16", 16)
 
 
 @pytest.mark.parametrize("kwargs, message", [

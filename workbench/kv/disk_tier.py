@@ -69,7 +69,8 @@ def write_block(directory: Path, block_hash: bytes, data: torch.Tensor,
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def read_block(directory: Path, block_hash: bytes, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+def read_block(directory: Path, block_hash: bytes, shape: tuple,
+               dtype: torch.dtype) -> torch.Tensor:
     raw = np.fromfile(block_path(directory, block_hash), dtype=np.uint8)
     return torch.from_numpy(raw).view(dtype).reshape(shape)
 
