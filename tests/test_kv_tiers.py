@@ -161,7 +161,7 @@ def check_books_and_files(engine) -> None:
 
 def test_invariants_and_tokens_under_random_operations(tiny_folder, tiny_reference,
                                                        tmp_path_factory):
-    """Random adds, aborts and steps over a pool of 8 blocks, with tiers of 3 (CPU) and 5 (disk)
+    """Random adds, aborts and steps over a pool of 8 blocks, with tiers of 1 (CPU) and 5 (disk)
     blocks: after every operation the books and the files agree and each hash lives in one place;
     every request's tokens equal the resident engine's; over all examples both tiers served hits."""
     hits = {"cpu": 0, "disk": 0}
@@ -171,11 +171,11 @@ def test_invariants_and_tokens_under_random_operations(tiny_folder, tiny_referen
                                    st.tuples(st.just("step"), st.integers(1, 3))),
                          min_size=10, max_size=30)
 
-    @settings(max_examples=12, deadline=None, database=None)
+    @settings(max_examples=20, deadline=None, database=None, derandomize=True)
     @given(ops=ops_lists)
     def run(ops):
         llm = LLM(model=str(tiny_folder), batch_invariant=True, num_kv_blocks=8, max_num_seqs=2,
-                  enable_prefix_caching=True, kv_cpu_tier_bytes=3 * 4 * 512,
+                  enable_prefix_caching=True, kv_cpu_tier_bytes=1 * 4 * 512,
                   kv_disk_tier_bytes=5 * 4 * 512,
                   kv_disk_tier_path=str(tmp_path_factory.mktemp("disk")), **TINY)
         assert llm.engine.cache.bytes_per_token == 512   # 2 layers x K,V x 2 heads x 16 x fp32
@@ -194,7 +194,7 @@ def test_invariants_and_tokens_under_random_operations(tiny_folder, tiny_referen
             hits[tier] += engine.blocks.tier_hits[tier]
 
     run()
-    assert hits["cpu"] > 0 and hits["disk"] > 0
+    assert hits["cpu"] > 0 and hits["disk"] > 0, hits
 
 
 def test_restart_reuses_the_disk_tier_and_a_mismatch_loads_nothing(tiny_folder, tmp_path, caplog):
