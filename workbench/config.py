@@ -6,6 +6,7 @@ their fields here (block_size, enable_prefix_caching, tensor_parallel_size, ...)
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -129,6 +130,11 @@ class EngineConfig:
     kv_cache_memory: int | None = None   # its size in bytes; neither: max_num_seqs full contexts
     kv_cache_layout: str = "paged"       # "contiguous" reserves max_model_len per sequence
     enable_prefix_caching: bool = False
+    # Tiers below the pool for evicted prefix blocks (kv/tiers.py): bytes of CPU memory, bytes of
+    # disk, and the disk tier's directory (a later engine with the same path reuses its files).
+    kv_cpu_tier_bytes: int = 0
+    kv_disk_tier_bytes: int = 0
+    kv_disk_tier_path: str | None = None
     enable_chunked_prefill: bool = True
     # SLO-aware batching: a target decode step time in seconds (the TPOT a running request feels).
     # Steps that carry decodes and run over it halve the tokens prefill chunks may take; steps
@@ -248,6 +254,39 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: it must be a bool")
+        self._check_kv_tiers()
+
+    @property
+    def kv_tiers(self) -> bool:
+        return bool(self.kv_cpu_tier_bytes or self.kv_disk_tier_bytes)
+
+    def _check_kv_tiers(self) -> None:
+        _positive_int("kv_cpu_tier_bytes", self.kv_cpu_tier_bytes, 0)
+        _positive_int("kv_disk_tier_bytes", self.kv_disk_tier_bytes, 0)
+        path = self.kv_disk_tier_path
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise ValueError(f"kv_disk_tier_path={path!r} is invalid: it must be a directory path "
+                             "(str) or None")
+        if self.kv_disk_tier_bytes and path is None:
+            raise ValueError(f"kv_disk_tier_path=None is invalid with kv_disk_tier_bytes="
+                             f"{self.kv_disk_tier_bytes}: the disk tier needs a directory")
+        if path is not None and not self.kv_disk_tier_bytes:
+            raise ValueError(f"kv_disk_tier_path={str(path)!r} is set but kv_disk_tier_bytes is 0: "
+                             "give the disk tier a size in bytes, or leave the path None")
+        if not self.kv_tiers:
+            return
+        why_not = None
+        if not self.enable_prefix_caching:
+            why_not = ("tiers keep evicted prefix-cache blocks, and enable_prefix_caching=False; "
+                       "set enable_prefix_caching=True")
+        elif self.world_size > 1:
+            why_not = "tiers are for a single-process engine; set the parallel sizes to 1"
+        elif self.spec_config is not None and self.spec_config.method != "ngram":
+            why_not = (f"speculative_config['method']={self.spec_config.method!r} keeps a draft "
+                       "cache that loaded blocks would not fill; use 'ngram' or no speculation")
+        if why_not:
+            raise ValueError(f"kv_cpu_tier_bytes={self.kv_cpu_tier_bytes}, kv_disk_tier_bytes="
+                             f"{self.kv_disk_tier_bytes} is invalid here: {why_not}")
 
     def _check_parallel(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
@@ -489,3 +528,9 @@ class EngineConfig:
             self.num_cpu_blocks = self.num_kv_blocks if self.preemption_mode == "swap" else 0
         else:
             self.num_cpu_blocks = self.swap_space // block_bytes
+        self.num_cpu_tier_blocks = self.kv_cpu_tier_bytes // block_bytes
+        for name in ("kv_cpu_tier_bytes", "kv_disk_tier_bytes"):
+            if 0 < getattr(self, name) < block_bytes:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid: one block of "
+                                 f"{self.block_size} tokens needs {block_bytes} bytes; give at "
+                                 "least that, or 0 for no tier")

@@ -128,7 +128,7 @@ class LLM:
                 "kv_cache_bytes": self.engine.kv_cache_bytes,
                 "prefix_cache_queries": blocks.prefix_queries,
                 "prefix_cache_hits": blocks.prefix_hits, "prefix_cache_hit_rate": blocks.hit_rate,
-                "evictions": pool.num_evictions,
+                "evictions": pool.num_evictions, **blocks.tier_stats(),
                 "preemptions": sum(r.num_preempted for r in self.engine.trace),
                 **self._spec_stats(),
                 **(self.engine.offload.stats() if self.engine.offload is not None else {})}

@@ -22,6 +22,7 @@ import copy
 import itertools
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -76,6 +77,8 @@ class LLMEngine:
             self.executor = start_workers(config, self.checkpoint, self.model_args)
         else:
             self._load_model(config)
+            if config.kv_tiers:
+                self._attach_kv_tiers(config)
         self.backend = get_attention_backend(config.attention_backend, self.device,
                                              config.batch_invariant)
         # Pipeline parallelism keeps one micro-batch per stage in flight, each from its own
@@ -161,6 +164,27 @@ class LLMEngine:
         self.cache = PagedKVCache(self.model_args, config.num_kv_blocks, config.block_size,
                                   self.dtype, self.device, config.num_cpu_blocks,
                                   kv_cache_dtype=config.kv_cache_dtype)
+
+    def _attach_kv_tiers(self, config: EngineConfig) -> None:
+        """CPU and disk tiers under the pool (kv/tiers.py); the disk tier first indexes the files
+        a former engine left under a manifest that matches this one (kv/disk_tier.py)."""
+        from ..kv import disk_tier
+        from ..kv.tier_store import TierStore
+        from ..kv.tiers import KVTiers
+        args, files = self.model_args, []
+        if config.kv_disk_tier_bytes:
+            manifest = {"format_version": disk_tier.FORMAT_VERSION, "model": str(config.model),
+                        "quantization": self.quantization, "pruning": config.pruning,
+                        "dtype": str(self.dtype).removeprefix("torch."),
+                        "kv_cache_dtype": config.kv_cache_dtype, "block_size": config.block_size,
+                        "num_layers": args.num_hidden_layers,
+                        "num_kv_heads": args.num_key_value_heads, "head_dim": args.head_dim}
+            files = disk_tier.open_directory(Path(config.kv_disk_tier_path), manifest)
+        block_bytes = self.cache.bytes_per_token * config.block_size
+        self.blocks.attach_tiers(KVTiers(config.num_cpu_tier_blocks, config.kv_disk_tier_bytes,
+                                         block_bytes, files))
+        self.cache.tier_store = TierStore(self.cache.kv_caches, config.block_size, self.device,
+                                          config.num_cpu_tier_blocks, config.kv_disk_tier_path)
 
     @staticmethod
     def _graph_settings(config: EngineConfig) -> dict | None:
@@ -488,6 +512,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         ops = self.blocks.take_ops()
         if batch.empty:
+            self.runner.apply_block_ops(ops)      # a tier's deletions may be pending
             self._release_finished(self.scheduler.free_finished())   # ended for length, if any
             return []
         t1 = time.perf_counter()

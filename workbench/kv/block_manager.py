@@ -14,6 +14,9 @@ last block, it gets a private copy (the runner performs the copy before the forw
 
 Swapping: a preempted sequence's blocks can be copied to a pool in CPU memory and brought back later
 into any free blocks; the runner performs the copies.
+
+Tiers (tiers.py, optional): evicted prefix blocks spill to a CPU tier and on to disk; a lookup that
+misses the device index continues its chain there, and allocation loads each hit into a new block.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from .block_pool import BlockPool
+from .tiers import KVTiers, TierHit
 
 
 def chain_hash(parent: bytes | None, tokens: list[int]) -> bytes:
@@ -36,9 +40,10 @@ class BlockOps:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (cpu block, device block)
     copy: list[tuple[int, int]] = field(default_factory=list)      # (src, dst) copy-on-write
+    tier: list[tuple] = field(default_factory=list)   # spills and loads, in order (tiers.py)
 
     def __bool__(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.copy)
+        return bool(self.swap_out or self.swap_in or self.copy or self.tier)
 
 
 class BlockManager:
@@ -57,6 +62,8 @@ class BlockManager:
         self.ops = BlockOps()
         self.prefix_queries = 0    # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0       # of those, tokens found
+        self.tiers: KVTiers | None = None
+        self.tier_hits = {"cpu": 0, "disk": 0}   # of those, tokens loaded from each tier
 
     # ------------------------------------------------------------------ sizes
     def blocks_for(self, num_tokens: int) -> int:
@@ -72,18 +79,30 @@ class BlockManager:
 
     def take_ops(self) -> BlockOps:
         ops, self.ops = self.ops, BlockOps()
+        if self.tiers is not None:
+            ops.tier = self.tiers.take_ops()
         return ops
 
+    def attach_tiers(self, tiers: KVTiers) -> None:
+        """Spill evicted prefix blocks into `tiers` and look prefixes up there too."""
+        self.tiers = tiers
+        self.pool.on_evict = lambda block, block_hash: tiers.spill(block, block_hash)
+
     # ------------------------------------------------------------------ prefix cache
-    def cached_prefix(self, token_ids: list[int]) -> list[int]:
+    def cached_prefix(self, token_ids: list[int]) -> list[int | TierHit]:
         """Blocks that already hold a prefix of `token_ids`. At least the last token is left
-        uncached: the model must run on it to produce the next token's logits."""
+        uncached: the model must run on it to produce the next token's logits. With tiers, a
+        block missing from the device index may be found below (a TierHit, loaded on allocation);
+        the chain stops at the first block found nowhere."""
         if not self.enable_prefix_caching:
             return []
         blocks, parent = [], None
         for i in range((len(token_ids) - 1) // self.block_size):
             parent = chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
             block = self.pool.lookup(parent)
+            if block is None and self.tiers is not None:
+                tier = self.tiers.lookup(parent)
+                block = TierHit(parent, tier) if tier else None
             if block is None:
                 break
             blocks.append(block)
@@ -103,6 +122,8 @@ class BlockManager:
             h = chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
             hashes.append(h)
             self.pool.index(table[i], h)
+            if self.tiers is not None and self.pool.lookup(h) == table[i]:
+                self.tiers.discard(h)
 
     # ------------------------------------------------------------------ allocation
     def can_allocate(self, request_id: str, num_computed: int, num_new: int,
@@ -116,8 +137,10 @@ class BlockManager:
         if not table and self.reserve_tokens:
             total = max(total, self.reserve_tokens)
         need = max(0, self.blocks_for(total) - len(table) - len(cached_blocks))
-        # Cached blocks nobody holds (ref_count 0) stop being available once shared.
-        need += sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
+        # Cached blocks nobody holds (ref_count 0) stop being available once shared; a hit in a
+        # tier needs a block to be loaded into.
+        need += sum(1 for b in cached_blocks
+                    if isinstance(b, TierHit) or self.pool.ref_counts[b] == 0)
         if self._needs_cow(table, num_computed, num_new):
             need += 1
         return need
@@ -139,11 +162,10 @@ class BlockManager:
             return False
         table = self.tables.setdefault(request_id, [])
         reserve = not table and self.reserve_tokens
-        for block in cached_blocks:
-            self.pool.share(block)
-            table.append(block)
         if cached_blocks:
-            self.hashes[request_id] = [self.pool.block_hash[b] for b in cached_blocks]
+            taken = self._take_hits(cached_blocks)
+            table.extend(taken)
+            self.hashes[request_id] = [self.pool.block_hash[b] for b in taken]
         if self._needs_cow(table, num_computed, num_new):
             old, new = table[-1], self.pool.allocate()
             self.ops.copy.append((old, new))
@@ -155,6 +177,38 @@ class BlockManager:
         while len(table) < target:
             table.append(self.pool.allocate())
         return True
+
+    def _take_hits(self, hits: list[int | TierHit]) -> list[int]:
+        """Device blocks for the prefix hits, in order: device hits are shared first (so that no
+        allocation below evicts them), tier hits claimed (so that no spill pushes them out),
+        then each tier hit gets a new block, indexed under its hash, and a load op."""
+        tier_of = {}
+        for hit in hits:
+            if isinstance(hit, TierHit):
+                tier_of[hit.block_hash] = self.tiers.claim(hit.block_hash)
+            else:
+                self.pool.share(hit)
+        blocks = []
+        for hit in hits:
+            if isinstance(hit, TierHit):
+                block = self.pool.allocate()
+                self.pool.index(block, hit.block_hash)
+                self.tiers.load(hit.block_hash, block)
+                self.tier_hits[tier_of[hit.block_hash]] += self.block_size
+                hit = block
+            blocks.append(hit)
+        return blocks
+
+    def tier_stats(self) -> dict:
+        """Prefix tokens loaded from each tier and bytes moved between tiers (empty without)."""
+        if self.tiers is None:
+            return {}
+        t = self.tiers
+        return {"kv_cpu_tier_hits": self.tier_hits["cpu"],
+                "kv_disk_tier_hits": self.tier_hits["disk"],
+                "kv_cpu_tier_blocks": len(t.cpu), "kv_disk_tier_blocks": len(t.disk),
+                "kv_disk_tier_bytes": t.disk_bytes,
+                **{f"kv_bytes_{k}": v for k, v in t.bytes_moved.items()}}
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Give back the blocks past those that the sequence's first `num_tokens` tokens need: the
@@ -221,3 +275,5 @@ class BlockManager:
             cpu_held = [b for t in self.cpu_tables.values() for b in t]
             assert sorted(cpu_held) == sorted(set(cpu_held))
             assert self.cpu_pool.num_used == len(cpu_held)
+        if self.tiers is not None:
+            self.tiers.check_invariants(self.pool.hash_to_block)

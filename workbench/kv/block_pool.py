@@ -10,10 +10,13 @@ used + cached + free == num_blocks, always (the property tests check it after ev
 Allocation takes a free block first and evicts a cached one only when none is free, the least
 recently released first (LRU). This is vLLM's design with one change: vLLM keeps free and cached
 blocks in a single LRU queue, so it may evict a cached block while never-used ones are available.
+An eviction calls `on_evict(block, hash)` first, if set: the tiered cache keeps the contents below
+(tiers.py).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Callable
 
 
 class BlockPool:
@@ -28,6 +31,7 @@ class BlockPool:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._cached_lru: OrderedDict[int, None] = OrderedDict()  # oldest first
         self.num_evictions = 0
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     # ------------------------------------------------------------------ counts
     @property
@@ -55,6 +59,8 @@ class BlockPool:
             block = self._free.pop()
         elif self._cached_lru:
             block, _ = self._cached_lru.popitem(last=False)
+            if self.on_evict is not None:
+                self.on_evict(block, self.block_hash[block])
             del self.hash_to_block[self.block_hash[block]]
             self.block_hash[block] = None
             self.num_evictions += 1

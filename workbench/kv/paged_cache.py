@@ -4,7 +4,8 @@ Per layer, K and V are each one flat tensor of `num_blocks * block_size` slots o
 (kv_heads, head_dim), or, with kv_cache_dtype "fp8"/"int8"/"int4", (kv_heads, row bytes) of codes
 and a scale (quant/kv.py). A per-layer plan (quant/kv_plan.py) gives each layer its own format. Block b owns slots [b * block_size, (b + 1) * block_size). Attention backends
 see only slot numbers (or block tables), never the allocator. A second, smaller set of tensors in CPU
-memory receives swapped-out blocks.
+memory receives swapped-out blocks. With tiers, `tier_store` (tier_store.py) holds the CPU and disk
+tiers' data and performs their spills and loads.
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ class PagedKVCache:
                                         torch.zeros(cpu_shape, dtype=t_dtype, pin_memory=pin)))
         self.bytes_per_token = kv_bytes_per_token(args, dtype, kv_cache_dtype)
         self.device = device
+        self.tier_store = None
 
     @property
     def num_slots(self) -> int:
@@ -70,14 +72,17 @@ class PagedKVCache:
         return (base + torch.arange(self.block_size, device=device)).flatten()
 
     def apply(self, ops: BlockOps) -> None:
-        """Swap out, then swap in, then copy-on-write: a block swapped out this step may be
-        reused by a swap-in or a copy in the same step, so its old contents must leave first."""
+        """Swap out, then the tiers' spills and loads, then swap in, then copy-on-write: a block
+        swapped out or spilled this step may be reused by a load, a swap-in or a copy in the same
+        step, so its old contents must leave first."""
         if ops.swap_out:
             src = self._slots([d for d, _ in ops.swap_out], self.device)
             dst = self._slots([c for _, c in ops.swap_out], "cpu")
             for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches):
                 ck[dst] = k[src].cpu()
                 cv[dst] = v[src].cpu()
+        if ops.tier:
+            self.tier_store.apply(ops.tier, self.kv_caches)
         if ops.swap_in:
             src = self._slots([c for c, _ in ops.swap_in], "cpu")
             dst = self._slots([d for _, d in ops.swap_in], self.device)

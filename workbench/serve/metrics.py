@@ -54,6 +54,10 @@ class ServerMetrics:
                                       "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self._prefix_seen = (0, 0)
+        self.tier_hits = {t: counter(f"kv_{t}_tier_hits",
+                                     f"Prompt tokens loaded from the {t} KV tier.")
+                          for t in ("cpu", "disk")}
+        self._tier_seen = {"cpu": 0, "disk": 0}
         self.preemptions = counter("num_preemptions", "Sequences preempted.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed (prefill).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
@@ -78,6 +82,9 @@ class ServerMetrics:
         self.prefix_queries.inc(queries - self._prefix_seen[0])
         self.prefix_hits.inc(hits - self._prefix_seen[1])
         self._prefix_seen = (queries, hits)
+        for tier, hits in engine.blocks.tier_hits.items():
+            self.tier_hits[tier].inc(hits - self._tier_seen[tier])
+            self._tier_seen[tier] = hits
         self.preemptions.inc(record.num_preempted)
         self.prompt_tokens.inc(record.num_prefill_tokens)
         self.generation_tokens.inc(len(record.sampled) + record.num_accepted_tokens)
