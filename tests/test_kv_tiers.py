@@ -236,6 +236,8 @@ def test_restart_reuses_the_disk_tier_and_a_mismatch_loads_nothing(tiny_folder, 
      "kv_disk_tier_path='/tmp/x' is set but kv_disk_tier_bytes is 0"),
     (dict(kv_cpu_tier_bytes=100, enable_prefix_caching=True),
      "kv_cpu_tier_bytes=100 is invalid: one block of 4 tokens needs 2048 bytes"),
+    (dict(kv_cpu_tier_bytes=4096, enable_prefix_caching=True, kv_cache_dtype="auto:0,int8:1"),
+     "kv_cache_dtype='auto:0,int8:1' gives layers different row formats"),
 ])
 def test_bad_tier_arguments_are_refused_naming_the_field(tiny_folder, kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):

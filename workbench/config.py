@@ -261,6 +261,7 @@ class EngineConfig:
         return bool(self.kv_cpu_tier_bytes or self.kv_disk_tier_bytes)
 
     def _check_kv_tiers(self) -> None:
+        from .quant.kv_plan import is_mixed
         _positive_int("kv_cpu_tier_bytes", self.kv_cpu_tier_bytes, 0)
         _positive_int("kv_disk_tier_bytes", self.kv_disk_tier_bytes, 0)
         path = self.kv_disk_tier_path
@@ -281,6 +282,9 @@ class EngineConfig:
                        "set enable_prefix_caching=True")
         elif self.world_size > 1:
             why_not = "tiers are for a single-process engine; set the parallel sizes to 1"
+        elif is_mixed(self.kv_cache_dtype):
+            why_not = (f"kv_cache_dtype={self.kv_cache_dtype!r} gives layers different row "
+                       "formats, and a tier stores a block of every layer in one; use one format")
         elif self.spec_config is not None and self.spec_config.method != "ngram":
             why_not = (f"speculative_config['method']={self.spec_config.method!r} keeps a draft "
                        "cache that loaded blocks would not fill; use 'ngram' or no speculation")
