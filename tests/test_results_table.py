@@ -186,3 +186,25 @@ def test_compress_runs_merge_into_each_variants_newest_row(tmp_path):
     assert "| layers-0.3+kd | 2 | 34.7 | 0.796 | 0.573 | 0% | 1.5 | 1.5 | 1.33 | 1.34 | 299 s, 60 steps |" in text
     assert text.count("| dense |") == 1
     assert "Other result files" not in text
+
+
+def test_memory_runs_render_their_three_tables(tmp_path):
+    (tmp_path / "cpu").mkdir()
+    run = {"workload": "memory", "model": "m", "date": "2026-03-03T10:00:00",
+           "offload": {"rows": [
+               {"batch_size": 1, "weights": "resident", "measured_tokens_per_s": 30.0,
+                "ratio_to_resident": 1.0, "calibrated_error": 0.0},
+               {"batch_size": 1, "weights": "offloaded", "measured_tokens_per_s": 4.5,
+                "ratio_to_resident": 0.15, "calibrated_error": -0.21}]},
+           "kv_tiers": {"rows": [{"context_tokens": 512, "recompute_s": 0.75,
+                                  "recompute_over_cpu": 12.5, "recompute_over_disk": 9.25}]},
+           "kv_compression": {"rows": [{"method": "uniform", "setting": "int8",
+                                        "kv_bytes_per_token": 12240, "ratio": 0.53125,
+                                        "perplexity": 25.01, "delta": -0.14}]}}
+    (tmp_path / "cpu" / "memory-a.json").write_text(json.dumps(run))
+    text = table.render_readme(tmp_path)
+    assert "## Memory hierarchy" in text and "### [memory-a.json](cpu/memory-a.json)" in text
+    assert "| 1 | 4.5 | 0.15 | -21% |" in text           # only the offloaded row
+    assert "| 512 | 750 | 12.5 | 9.2 |" in text
+    assert "| uniform | int8 | 12240 | 0.531 | 25.01 | -0.14 |" in text
+    assert "Other result files" not in text

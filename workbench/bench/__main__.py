@@ -24,6 +24,9 @@ table:         results/README.md from the committed results/**/*.json: every spe
 soak:          a SmolLM2 server under 128 concurrent clients mixing good requests with abuse:
                every request completed, rejected, disconnected or lost; KV and RSS per round
                (python -m workbench.bench soak --help).
+memory:        the memory hierarchy on SmolLM2: offloaded weights' tokens/s against batch,
+               the next turn's TTFT recomputed or loaded from the CPU and disk KV tiers, and
+               KV compression's perplexity against bytes (python -m workbench.bench memory --help).
 gpu:           (CUDA) batch-1 decode and offline-mixed, eager and with CUDA graphs, on random
                weights in SmolLM2-135M's and a 1B Llama's shapes, against transformers; the
                GPU targets met or not (python -m workbench.bench gpu --help).
@@ -69,6 +72,9 @@ def main(argv=None) -> None:
     if argv[:1] == ["speed"]:
         from . import speed
         return speed.main(argv[1:])
+    if argv[:1] == ["memory"]:
+        from . import memory
+        return memory.main(argv[1:])
     if argv[:1] == ["soak"]:
         from . import soak
         return soak.main(argv[1:])
