@@ -86,7 +86,7 @@ class BlockManager:
     def attach_tiers(self, tiers: KVTiers) -> None:
         """Spill evicted prefix blocks into `tiers` and look prefixes up there too."""
         self.tiers = tiers
-        self.pool.on_evict = lambda block, block_hash: tiers.spill(block, block_hash)
+        self.pool.on_evict = tiers.spill
 
     # ------------------------------------------------------------------ prefix cache
     def cached_prefix(self, token_ids: list[int]) -> list[int | TierHit]:

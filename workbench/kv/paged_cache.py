@@ -2,9 +2,10 @@
 
 Per layer, K and V are each one flat tensor of `num_blocks * block_size` slots of shape
 (kv_heads, head_dim), or, with kv_cache_dtype "fp8"/"int8"/"int4", (kv_heads, row bytes) of codes
-and a scale (quant/kv.py). A per-layer plan (quant/kv_plan.py) gives each layer its own format. Block b owns slots [b * block_size, (b + 1) * block_size). Attention backends
-see only slot numbers (or block tables), never the allocator. A second, smaller set of tensors in CPU
-memory receives swapped-out blocks. With tiers, `tier_store` (tier_store.py) holds the CPU and disk
+and a scale (quant/kv.py). A per-layer plan (quant/kv_plan.py) gives each layer its own format.
+Block b owns slots [b * block_size, (b + 1) * block_size). Attention backends see only slot numbers
+(or block tables), never the allocator. A second, smaller set of tensors in CPU memory receives
+swapped-out blocks. With tiers, `tier_store` (tier_store.py) holds the CPU and disk
 tiers' data and performs their spills and loads.
 """
 from __future__ import annotations
