@@ -20,9 +20,14 @@ from ..models.llama import LlamaModel, apply_rotary
 
 
 def hidden_states(model: LlamaModel, ids: torch.Tensor,
-                  cache: list | None = None) -> torch.Tensor:
+                  cache: list | None = None, share_from: list[int] | None = None) -> torch.Tensor:
     """Final hidden states (B, T, hidden) of `ids` (B, T). With `cache` (a list, empty at the
-    first call) each layer's K and V are kept there and `ids` continue the cached positions."""
+    first call) each layer's K and V are kept there and `ids` continue the cached positions.
+    share_from: cross-layer KV sharing, layer i attending to layer share_from[i]'s K and V
+    (kv/compress_eval.py's sharing_map); not with `cache`."""
+    if share_from is not None and cache is not None:
+        raise ValueError("share_from with a decode cache is invalid: sharing is for dense batches")
+    kept = {}
     batch, length = ids.shape
     start = cache[0][0].shape[2] if cache else 0
     positions = torch.arange(start, start + length, device=ids.device)
@@ -37,6 +42,10 @@ def hidden_states(model: LlamaModel, ids: torch.Tensor,
         k = k.view(batch, length, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
         v = v.view(batch, length, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if share_from is not None:
+            if share_from[index] != index:        # the group's first layer's K and V
+                k, v = kept[share_from[index]]
+            kept[index] = (k, v)
         if cache is not None:
             if index < len(cache):
                 k, v = torch.cat([cache[index][0], k], 2), torch.cat([cache[index][1], v], 2)

@@ -1,0 +1,60 @@
+"""Cross-layer KV sharing in the training forward, and its short distillation: the training
+forward with sharing equals the evaluation path, only the sharing layers train, and the held-out
+KL to the unshared model falls."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workbench.compress.train_forward import hidden_states
+from workbench.kv.cla_distill import distill_sharing
+from workbench.kv.compress_eval import KVTransform, sharing_map, window_nll
+from workbench.models.loader import load_model
+
+
+def test_training_forward_with_sharing_equals_the_evaluation_path(tiny_folder):
+    model = load_model(tiny_folder, torch.float32, torch.device("cpu")).eval()
+    n = len(model.layers)
+    ids = torch.randint(5, 200, (1, 24), generator=torch.Generator().manual_seed(0))
+    for share in (list(range(n)), sharing_map(n, 2)):
+        with torch.no_grad():
+            lp = torch.log_softmax(model.compute_logits(hidden_states(model, ids, share_from=share))[0], -1)
+        nll = -lp[:-1].gather(1, ids[0, 1:, None])[:, 0].double()
+        expected = window_nll(model, ids[0].tolist(), KVTransform(share_from=share))
+        assert torch.allclose(nll, expected, atol=1e-4), (share, (nll - expected).abs().max())
+    assert sharing_map(n, 2) != list(range(n))
+
+
+def test_sharing_is_refused_with_a_decode_cache(tiny_folder):
+    model = load_model(tiny_folder, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="share_from with a decode cache is invalid"):
+        hidden_states(model, torch.tensor([[5, 6]]), cache=[], share_from=[0, 0])
+
+
+def test_distillation_trains_only_the_sharing_layers_and_lowers_perplexity(tiny_llm):
+    n = len(tiny_llm.engine.model.layers)
+    share = sharing_map(n, 2)
+    result = distill_sharing(tiny_llm, share, steps=12, batch_size=4, seq_len=32,
+                             num_sequences=16, lr=3e-3, eval_windows=2, eval_len=32)
+    assert result["trained_layers"] == [i for i, s in enumerate(share) if s != i]
+    teacher, student = tiny_llm.engine.model, result["student"]
+    for i, (a, b) in enumerate(zip(teacher.layers, student.layers)):
+        same = all(torch.equal(p.float(), q) for p, q in zip(a.parameters(), b.parameters()))
+        assert same == (i not in result["trained_layers"]), i
+    # a random tiny model's perplexity is near its vocabulary size whatever it does: the KL to the
+    # unshared model is what the training lowers
+    assert result["kl_after"] < 0.8 * result["kl_before"], result
+    assert [h["step"] for h in result["history"]] == [0, 12]
+
+
+@pytest.mark.parametrize("share, message", [([0], "one entry per layer"),
+                                            (None, "one entry per layer")])
+def test_bad_sharing_maps_are_refused(tiny_llm, share, message):
+    with pytest.raises(ValueError, match=message):
+        distill_sharing(tiny_llm, share)
+
+
+def test_a_map_without_sharing_is_refused(tiny_llm):
+    n = len(tiny_llm.engine.model.layers)
+    with pytest.raises(ValueError, match="no layer shares"):
+        distill_sharing(tiny_llm, list(range(n)))
