@@ -8,8 +8,9 @@ import torch
 
 from workbench.compress.train_forward import hidden_states
 from workbench.kv.cla_distill import distill_sharing
-from workbench.kv.compress_eval import KVTransform, sharing_map, window_nll
+from workbench.kv.compress_eval import KVTransform, perplexity, sharing_map, window_nll
 from workbench.models.loader import load_model
+from workbench.quant.calibration import heldout_windows
 
 
 def test_training_forward_with_sharing_equals_the_evaluation_path(tiny_folder):
@@ -39,12 +40,24 @@ def test_distillation_trains_only_the_sharing_layers_and_lowers_perplexity(tiny_
     assert result["trained_layers"] == [i for i, s in enumerate(share) if s != i]
     teacher, student = tiny_llm.engine.model, result["student"]
     for i, (a, b) in enumerate(zip(teacher.layers, student.layers)):
-        same = all(torch.equal(p.float(), q) for p, q in zip(a.parameters(), b.parameters()))
-        assert same == (i not in result["trained_layers"]), i
+        # frozen layers are the engine's own modules; trained ones are copies that moved
+        assert (a is b) == (i not in result["trained_layers"]), i
+        if a is not b:
+            assert not any(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters())), i
+            assert all(p.dtype == q.dtype for p, q in zip(a.parameters(), b.parameters())), i
+    assert student.embed_tokens is teacher.embed_tokens and student.lm_head is teacher.lm_head
+    assert result["trained_params"] == sum(p.numel() for i in result["trained_layers"]
+                                           for p in teacher.layers[i].parameters())
     # a random tiny model's perplexity is near its vocabulary size whatever it does: the KL to the
     # unshared model is what the training lowers
     assert result["kl_after"] < 0.8 * result["kl_before"], result
     assert [h["step"] for h in result["history"]] == [0, 12]
+    # the perplexity before training is compress_eval's number for the same sharing and windows,
+    # and the engine's own weights are untouched and frozen again afterwards
+    held = heldout_windows(tiny_llm.get_tokenizer(), 2, 32)
+    assert result["before"] == perplexity(teacher, held, KVTransform(share_from=share))
+    assert result["reference"] == perplexity(teacher, held)
+    assert all(p.requires_grad for p in teacher.parameters())
 
 
 @pytest.mark.parametrize("share, message", [([0], "one entry per layer"),

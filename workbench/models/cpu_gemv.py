@@ -23,12 +23,19 @@ bytes, the loops widen bf16 to fp32 in registers, and the weights are those of a
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..quant.linear import Int4Linear, Int8Linear, W8A8Linear
 
 
 ACTIVATIONS = (torch.bfloat16, torch.float32)
+
+
+def _needs_grad(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """The kernels write into preallocated outputs and have no backward: a product autograd must
+    record goes to torch's linear."""
+    return torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
 
 
 class GemvLinear(nn.Linear):
@@ -38,10 +45,13 @@ class GemvLinear(nn.Linear):
     def runs_loops(self, x: torch.Tensor) -> bool:
         """Whether x goes to the kernel (else torch's linear)."""
         w = self.weight
-        return x.dtype in ACTIVATIONS and not (w.dtype == torch.float32 and x.dtype != w.dtype)
+        return (x.dtype in ACTIVATIONS and not (w.dtype == torch.float32 and x.dtype != w.dtype)
+                and not _needs_grad(x, w))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
+        if _needs_grad(x, w):       # training through the layer (kv/cla_distill.py): x's dtype
+            return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
         if not self.runs_loops(x):
             return super().forward(x)
         shape = x.shape
