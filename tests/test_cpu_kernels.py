@@ -397,6 +397,30 @@ def test_bf16_weights_with_fp32_activations_match_a_bf16_rounded_fp32_model(tiny
 
 
 @needs_kernels
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_products_autograd_records_take_torchs_linear(w_dtype):
+    """The kernels have no backward: with x or the weight requiring grad (training through a
+    frozen engine layer, kv/cla_distill.py) a GemvLinear computes torch's linear in x's dtype,
+    and the gradients are those of F.linear."""
+    from workbench.models.cpu_gemv import GemvLinear
+    g = torch.Generator().manual_seed(0)
+    layer = GemvLinear(64, 32, bias=False)
+    layer.weight = torch.nn.Parameter(torch.randn(32, 64, generator=g).to(w_dtype),
+                                      requires_grad=False)
+    x = torch.randn(3, 64, generator=g, requires_grad=True)
+    assert not layer.runs_loops(x)
+    out = layer(x)
+    out.square().sum().backward()
+    x_ref = x.detach().clone().requires_grad_(True)
+    F.linear(x_ref, layer.weight.float()).square().sum().backward()
+    assert out.dtype == torch.float32 and torch.equal(x.grad, x_ref.grad)
+    with torch.no_grad():            # inference keeps the kernels
+        assert layer.runs_loops(x)
+    layer.weight.requires_grad_(True)
+    assert not layer.runs_loops(x.detach())
+
+
+@needs_kernels
 def test_auto_dtype_engine_says_what_it_stores(tiny_folder):
     from workbench.config import cpu_has_native_bf16
     llm = LLM(model=str(tiny_folder), device="cpu", verbose=False, max_model_len=64)
