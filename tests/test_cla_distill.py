@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from workbench import LLM
 from workbench.compress.train_forward import hidden_states
 from workbench.kv.cla_distill import distill_sharing
 from workbench.kv.compress_eval import KVTransform, perplexity, sharing_map, window_nll
+from workbench.models import make_random_checkpoint
 from workbench.models.loader import load_model
 from workbench.quant.calibration import heldout_windows
 
@@ -71,3 +73,21 @@ def test_a_map_without_sharing_is_refused(tiny_llm):
     n = len(tiny_llm.engine.model.layers)
     with pytest.raises(ValueError, match="no layer shares"):
         distill_sharing(tiny_llm, list(range(n)))
+
+
+def test_the_benchmark_row_is_the_tables_deep_pair_row_after_training():
+    """bench memory's distilled row starts from the table's own deep-pair number (same windows,
+    same evaluation path) and keeps that row's bytes (3 layers: the deepest pair shares)."""
+    from workbench.bench.memory import distilled_sharing_row
+    from workbench.kv.compress_eval import compression_table
+    llm = LLM(model=str(make_random_checkpoint("tiny-mha", seed=0)), dtype="float32", verbose=False)
+    n = len(llm.engine.model.layers)
+    rows = compression_table(llm, num_windows=1, window_len=32, calibration_windows_count=1,
+                             counts=(1,), ranks=(4,))
+    row = distilled_sharing_row(llm, rows, 1, 32, steps=2, seed=0)
+    deep = next(r for r in rows if r["setting"] == f"groups of 2, layers {n // 2}+")
+    assert row["perplexity_before"] == deep["perplexity"]
+    assert (row["kv_bytes_per_token"], row["ratio"]) == (deep["kv_bytes_per_token"], deep["ratio"])
+    assert row["delta"] == row["perplexity"] - rows[0]["perplexity"]
+    assert row["setting"] == f"groups of 2, layers {n // 2}+, distilled 2 steps"
+    assert row["kl_after"] < row["kl_before"]

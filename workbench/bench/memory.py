@@ -8,7 +8,8 @@ The memory hierarchy's three measurements on SmolLM2-135M, in one run and one pr
 - KV tiers: time to first token of a conversation's next turn after its context was evicted,
   recomputed, loaded from the CPU tier and loaded from the disk tier, against context length;
 - KV compression: perplexity against KV bytes per token for uniform formats, per-layer plans,
-  cross-layer sharing and low-rank keys, against the model's dtype.
+  cross-layer sharing (without retraining, and after a short distillation of the sharing layers)
+  and low-rank keys, against the model's dtype.
 Ratios are against the baselines measured in the same run (resident, recompute, model dtype).
 """
 from __future__ import annotations
@@ -16,10 +17,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import time
 
 import torch
 
-from ..kv.compress_eval import compression_table, format_table
+from ..kv.cla_distill import distill_sharing
+from ..kv.compress_eval import compression_table, format_table, sharing_map
 from ..kv.tier_bench import measure_tier_ttft
 from ..llm import LLM
 from ..offload.cost_model import format_rows, measure_offload_curve
@@ -63,13 +66,35 @@ def tier_section(contexts: list[int], seed: int) -> dict:
     return result
 
 
-def compression_section(model: str, quick: bool) -> dict:
+def distilled_sharing_row(llm, rows: list[dict], num_windows: int, window_len: int,
+                          steps: int, seed: int) -> dict:
+    """The deep-pair sharing row again after `steps` distillation steps of its sharing layers,
+    scored on the same held-out windows as the table."""
+    n = len(llm.engine.model.layers)
+    setting = f"groups of 2, layers {n // 2}+"
+    untrained = next(r for r in rows if r["method"] == "cross-layer sharing" and r["setting"] == setting)
+    start = time.perf_counter()
+    result = distill_sharing(llm, sharing_map(n, 2, n // 2), steps=steps, seq_len=window_len,
+                             num_sequences=4 * steps, eval_windows=num_windows,
+                             eval_len=window_len, seed=seed)
+    base = rows[0]["perplexity"]
+    return {"method": "cross-layer sharing", "setting": f"{setting}, distilled {steps} steps",
+            "kv_bytes_per_token": untrained["kv_bytes_per_token"], "ratio": untrained["ratio"],
+            "perplexity": result["after"], "delta": result["after"] - base,
+            "perplexity_before": result["before"], "kl_before": result["kl_before"],
+            "kl_after": result["kl_after"], "trained_params": result["trained_params"],
+            "train_s": time.perf_counter() - start}
+
+
+def compression_section(model: str, quick: bool, seed: int) -> dict:
+    num_windows, window_len = (1, 64) if quick else (2, 128)
     with LLM(model=model, verbose=False) as llm:
-        rows = compression_table(llm, num_windows=1 if quick else 2,
-                                 window_len=64 if quick else 128,
+        rows = compression_table(llm, num_windows=num_windows, window_len=window_len,
                                  calibration_windows_count=2 if quick else 4,
                                  counts=(12,) if quick else (6, 12),
                                  ranks=(16, 48) if quick else (16, 32, 48))
+        rows.append(distilled_sharing_row(llm, rows, num_windows, window_len,
+                                          4 if quick else 32, seed))
         dtype = str(llm.engine.dtype)
     print(format_table(rows))
     return {"dtype": dtype, "rows": rows}
@@ -91,7 +116,7 @@ def main(argv=None) -> None:
               "torch": torch.__version__,
               "offload": offload_section(args.model, batches, 6 if args.quick else 12, args.seed),
               "kv_tiers": tier_section(contexts, args.seed),
-              "kv_compression": compression_section(args.model, args.quick),
+              "kv_compression": compression_section(args.model, args.quick, args.seed),
               "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "machine": machine_info(commit)}
     if args.json:
