@@ -246,8 +246,9 @@ def compression_table(llm, num_windows: int = 2, window_len: int = 128,
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'method':28} {'setting':34} {'bytes/tok':>9} {'ratio':>6} {'ppl':>8} {'delta':>8}"]
+    w = max([34] + [len(r["setting"]) for r in rows])
+    lines = [f"{'method':28} {'setting':{w}} {'bytes/tok':>9} {'ratio':>6} {'ppl':>8} {'delta':>8}"]
     for r in rows:
-        lines.append(f"{r['method']:28} {r['setting']:34} {r['kv_bytes_per_token']:9d} "
+        lines.append(f"{r['method']:28} {r['setting']:{w}} {r['kv_bytes_per_token']:9d} "
                      f"{r['ratio']:6.3f} {r['perplexity']:8.3f} {r['delta']:+8.3f}")
     return "\n".join(lines)
