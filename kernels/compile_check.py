@@ -1,4 +1,4 @@
-"""Compile every kernel for a Hopper GPU (sm_90) without one: python -m kernels.compile_check
+"""Compile every kernel for a Hopper GPU (sm_90) without one: python -m workbench.kernels.compile_check
 
 Triton compiles ahead of time on any machine: Python -> Triton IR -> GPU IR -> LLVM IR -> PTX,
 then ptxas (shipped inside the triton wheel) -> machine code. That catches what the CPU interpreter

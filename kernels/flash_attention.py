@@ -65,7 +65,7 @@ def _key_rows(n_offs, seq, kv_start, block_table, stride_bt, PAGED: tl.constexpr
 def load_kv_tile(Cache, base, rows, stride_n, offs_d, in_range, dtype, MASKED: tl.constexpr,
                  KV_QUANT: tl.constexpr, HEAD_DIM: tl.constexpr):
     """A (BLOCK_N, HEAD_DIM) tile of keys or values in `dtype`. With a quantized cache
-    (KV_QUANT 1 = INT8, 2 = FP8 e4m3; workbench/quant/kv.py) each row is HEAD_DIM bytes of codes
+    (KV_QUANT 1 = INT8, 2 = FP8 e4m3; workbench/layers/kv_formats.py) each row is HEAD_DIM bytes of codes
     followed by its fp32 scale: load the bytes, reinterpret, multiply by the row's scale."""
     ptrs = Cache + base + rows[:, None] * stride_n + offs_d[None, :]
     if KV_QUANT == 0:
@@ -203,7 +203,7 @@ def _tile_sizes(head_dim: int, device: torch.device, varlen: bool = False,
     which costs registers, so at head_dim 128 it uses 64-row query tiles; 4-byte elements and
     head_dim 256 take smaller tiles so the staged K/V tiles fit in shared memory. These were chosen
     without a GPU, from ptxas's register, spill and shared-memory counts (python -m
-    kernels.compile_check): no spills in bf16 dense attention at head_dim 64 and 128 and in paged
+    workbench.kernels.compile_check): no spills in bf16 dense attention at head_dim 64 and 128 and in paged
     decode; some in the variable-length forms at head_dim 128 (tens to hundreds of bytes), at head
     dim 256, and in fp32 (kilobytes). Tune them with `python -m workbench.bench kernels`."""
     if device.type != "cuda":

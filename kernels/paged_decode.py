@@ -100,7 +100,7 @@ def _paged_decode_merge(
 
 def decode_config(head_dim: int, device: torch.device) -> tuple[int, int]:
     """(BLOCK_N keys per tile, num_warps): 64-key tiles; at head_dim 128 over 8 warps, where 4
-    would spill registers (ptxas counts, python -m kernels.compile_check)."""
+    would spill registers (ptxas counts, python -m workbench.kernels.compile_check)."""
     if device.type != "cuda":
         return 16, 4
     return 64, (8 if head_dim > 64 else 4)

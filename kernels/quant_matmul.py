@@ -9,7 +9,7 @@ activation dtype in registers (never in memory), and feeds the tensor cores.
 - INT4, group-wise asymmetric: a tile of BLOCK_K // 2 bytes per row holds BLOCK_K codes (low nibble
   = even k, high nibble = odd k); each is expanded as q * scale[n, g] + minimum[n, g] where
   g = k // group_size. BLOCK_K divides group_size, so one tile sits in one group.
-The references are in workbench/quant/formats.py (Int8Weight/Int4Weight.dequantize) + F.linear.
+The references are in workbench/layers/formats.py (Int8Weight/Int4Weight.dequantize) + F.linear.
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def _int4_matmul(X, Packed, Scale, Minimum, Out, M, N, K, stride_xm, stride_pn, 
 def _blocks(m: int, device: torch.device) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps). Decode has m of 1 to a few dozen: 16 rows (the
     smallest tensor-core tile) and 64-wide N tiles, so there are enough programs to read all the
-    weights; larger m over 8 warps (4 would spill, python -m kernels.compile_check)."""
+    weights; larger m over 8 warps (4 would spill, python -m workbench.kernels.compile_check)."""
     if device.type != "cuda":
         return 16, 16, 32, 4
     return (16, 64, 64, 4) if m <= 16 else (64, 64, 64, 8)

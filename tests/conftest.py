@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from workbench import LLM  # noqa: E402
+from workbench.engine.step_inputs import plan_step  # noqa: E402
 from workbench.models import make_random_checkpoint, resolve_checkpoint
 
 
@@ -63,7 +64,7 @@ def engine_next_token_logits(llm, prompt_ids: list[int]) -> torch.Tensor:
     try:
         batch = engine.scheduler.schedule()
         assert [s.request_id for s in batch.seqs] == [request_id]
-        out = engine.runner.forward(*engine.runner.prepare(batch), batch)
+        out = engine.runner.execute(plan_step(batch, engine.blocks, engine.blocks.take_ops()))
         return out.logits[0]
     finally:
         engine.abort_request(request_id)

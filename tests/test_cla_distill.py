@@ -8,8 +8,8 @@ import torch
 
 from workbench import LLM
 from workbench.compress.train_forward import hidden_states
-from workbench.kv.cla_distill import distill_sharing
-from workbench.kv.compress_eval import KVTransform, perplexity, sharing_map, window_nll
+from workbench.experiments.cla_distill import distill_sharing
+from workbench.experiments.kv_compression import KVTransform, perplexity, sharing_map, window_nll
 from workbench.models import make_random_checkpoint
 from workbench.models.loader import load_model
 from workbench.quant.calibration import heldout_windows
@@ -79,7 +79,7 @@ def test_the_benchmark_row_is_the_tables_deep_pair_row_after_training():
     """bench memory's distilled row starts from the table's own deep-pair number (same windows,
     same evaluation path) and keeps that row's bytes (3 layers: the deepest pair shares)."""
     from workbench.bench.memory import distilled_sharing_row
-    from workbench.kv.compress_eval import compression_table
+    from workbench.experiments.kv_compression import compression_table
     llm = LLM(model=str(make_random_checkpoint("tiny-mha", seed=0)), dtype="float32", verbose=False)
     n = len(llm.engine.model.layers)
     rows = compression_table(llm, num_windows=1, window_len=32, calibration_windows_count=1,

@@ -122,7 +122,7 @@ def test_prepacked_lm_head_gives_the_same_logits(tiny_folder):
     ({"compile": "yes"}, "compile='yes'"),
     ({"freeze_weights": True}, "freeze_weights=True is invalid with compile=False"),
     ({"compile": True, "freeze_weights": 1}, "freeze_weights=1 is invalid"),
-    ({"compile": True, "tensor_parallel_size": 2}, "compile=True is invalid with 2 worker"),
+    ({"compile": True, "tensor_parallel_size": 2}, "compile=True is invalid with parallel workers"),
 ])
 def test_bad_compile_settings_name_the_field(tiny_folder, kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from workbench import LLM, SamplingParams
-from workbench.compress.__main__ import main as cli
+from workbench.__main__ import main as cli
 from workbench.compress.distill import (StudentDistillConfig, distill_student, heldout_metrics,
                                         load_student)
 from workbench.compress.train_forward import hidden_states, sample

@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kernels.cpu import available
+from workbench.kernels.cpu import available
 from workbench import LLM, SamplingParams
 from workbench.attention import AttentionMetadata, get_attention_backend
 from workbench.attention.torch_backend import TorchAttention

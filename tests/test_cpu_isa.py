@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.cpu import ISA_FLAGS, SOURCES, available, best_isa, runnable_isas
+from workbench.kernels.cpu import ISA_FLAGS, SOURCES, available, best_isa, runnable_isas
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_TESTS = ["tests/test_cpu_kernels.py", "tests/test_cpu_attention.py", "tests/test_fused_decode.py"]

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import MAX_ROWS, available
+from workbench.kernels.cpu import MAX_ROWS, available
 from workbench import LLM, SamplingParams
-from workbench.config import EngineConfig
+from workbench.config import EngineConfig, plan_kernels
 
 OK, WHY = available()
 needs_kernels = pytest.mark.skipif(not OK, reason=f"CPU kernels unavailable: {WHY}")
@@ -130,8 +130,8 @@ def test_int8_bad_inputs_are_named():
 
 
 def int4_layer(n, k, group, dtype, g):
-    from workbench.quant.formats import quantize_int4
-    from workbench.quant.linear import Int4Linear
+    from workbench.layers.formats import quantize_int4
+    from workbench.layers.linear import Int4Linear
     return Int4Linear(quantize_int4(torch.randn(n, k, generator=g) * 0.05, group), dtype)
 
 
@@ -328,12 +328,12 @@ def test_cpu_gemv_setting_is_validated():
     with pytest.raises(ValueError, match=r"fused_decode=True is invalid here: batch_invariant"):
         EngineConfig(fused_decode=True, device="cpu", batch_invariant=True)
     # batch_invariant keeps the loops (in their row-invariant mode), not the fused step
-    inv = EngineConfig(device="cpu", batch_invariant=True)
-    assert inv.use_cpu_gemv == OK and not inv.use_fused_decode
+    inv = plan_kernels(EngineConfig(device="cpu", batch_invariant=True))
+    assert inv.cpu_gemv == OK and not inv.fused_decode
     for dtype in ("float32", "bfloat16"):                 # on by default where the kernels build
-        assert EngineConfig(device="cpu", dtype=dtype).use_cpu_gemv == OK
-    off = EngineConfig(device="cpu", cpu_gemv=False)
-    assert not off.use_cpu_gemv and off.cpu_gemv_reason == "switched off"
+        assert plan_kernels(EngineConfig(device="cpu", dtype=dtype)).cpu_gemv == OK
+    off = plan_kernels(EngineConfig(device="cpu", cpu_gemv=False))
+    assert not off.cpu_gemv and off.reasons["cpu_gemv"] == "switched off"
 
 
 @needs_kernels
@@ -348,7 +348,7 @@ def test_zero_rows_give_an_empty_result(dtype):
 
 @needs_kernels
 def test_the_engine_says_which_matmuls_it_runs(tiny_folder):
-    from kernels.cpu import best_isa
+    from workbench.kernels.cpu import best_isa
     from workbench.models.cpu_gemv import GemvLinear
     for dtype in ("bfloat16", "float32"):
         llm = LLM(model=str(tiny_folder), dtype=dtype, device="cpu", verbose=False, max_model_len=64)
@@ -364,11 +364,12 @@ def test_auto_dtype_reads_bf16_weights_on_every_cpu():
     """dtype="auto" reads bf16 weights on CPU whatever the CPU: with bf16 activations where bf16
     is native, with fp32 activations elsewhere; an explicit dtype keeps its own weights."""
     from workbench.config import cpu_has_native_bf16
-    auto = EngineConfig(device="cpu", dtype="auto")
-    assert auto.torch_dtype == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
-    assert auto.weight_dtype == (torch.bfloat16 if auto.use_cpu_gemv else auto.torch_dtype)
-    assert EngineConfig(device="cpu", dtype="float32").weight_dtype == torch.float32
-    assert EngineConfig(device="cpu", dtype="auto", cpu_gemv=False).weight_dtype == auto.torch_dtype
+    auto = plan_kernels(EngineConfig(device="cpu", dtype="auto"))
+    assert auto.dtype == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+    assert auto.weight_dtype == (torch.bfloat16 if auto.cpu_gemv else auto.dtype)
+    assert plan_kernels(EngineConfig(device="cpu", dtype="float32")).weight_dtype == torch.float32
+    no_loops = plan_kernels(EngineConfig(device="cpu", dtype="auto", cpu_gemv=False))
+    assert no_loops.weight_dtype == auto.dtype
 
 
 @needs_kernels
@@ -400,7 +401,7 @@ def test_bf16_weights_with_fp32_activations_match_a_bf16_rounded_fp32_model(tiny
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
 def test_products_autograd_records_take_torchs_linear(w_dtype):
     """The kernels have no backward: with x or the weight requiring grad (training through a
-    frozen engine layer, kv/cla_distill.py) a GemvLinear computes torch's linear in x's dtype,
+    frozen engine layer, experiments/cla_distill.py) a GemvLinear computes torch's linear in x's dtype,
     and the gradients are those of F.linear."""
     from workbench.models.cpu_gemv import GemvLinear
     g = torch.Generator().manual_seed(0)

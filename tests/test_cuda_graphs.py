@@ -45,7 +45,7 @@ def graphed(llm) -> GraphedDecodeForward:
     e = llm.engine
     g = GraphedDecodeForward(e.runner.forward_fn, e.cache, e.blocks, e.backend,
                              max_num_seqs=e.config.max_num_seqs,
-                             max_model_len=e.config.max_model_len, capture=False)
+                             max_model_len=e.plan.max_model_len, capture=False)
     e.runner.forward_fn = g
     return g
 

@@ -1,4 +1,4 @@
-"""workbench/spec/distill.py: a tiny draft distilled from the real SmolLM2 (a very small config, so
+"""workbench/compress/draft.py: a tiny draft distilled from the real SmolLM2 (a very small config, so
 the file runs in well under a minute on 2 cores), saved, and loaded back by the engine and by
 transformers; plus the pieces (PCA embedding, the fused loss, determinism) on synthetic data."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from workbench import LLM, SamplingParams
-from workbench.spec.distill import (DistillConfig, SoftTargetHead, agreement, distill_draft,
+from workbench.compress.draft import (DistillConfig, SoftTargetHead, agreement, distill_draft,
                                     init_draft, pca_embedding, target_generations, teacher_topk,
                                     train_draft)
 

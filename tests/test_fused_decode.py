@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kernels.cpu import available
+from workbench.kernels.cpu import available
 from workbench import LLM, SamplingParams
-from workbench.config import EngineConfig
+from workbench.config import EngineConfig, plan_kernels
 
 OK, WHY = available()
 needs_kernels = pytest.mark.skipif(not OK, reason=f"CPU kernels unavailable: {WHY}")
@@ -208,7 +208,8 @@ def test_fused_decode_setting_is_validated():
         EngineConfig(device="cpu", dtype="bfloat16", cpu_gemv=True, fused_decode=True,
                      attention_backend="cpu", quantization="smoothquant")
     for method in ("gptq", "awq"):       # their layers are INT4 ones: the model check decides
-        assert EngineConfig(device="cpu", dtype="bfloat16", quantization=method).use_fused_decode
+        assert plan_kernels(EngineConfig(device="cpu", dtype="bfloat16",
+                                         quantization=method)).fused_decode
     with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8'; use 'auto'"):
         EngineConfig(device="cpu", dtype="bfloat16", cpu_gemv=True, fused_decode=True,
                      attention_backend="cpu", kv_cache_dtype="fp8")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from workbench.models.registry import embedded_gguf
-from workbench.quant import gguf_inspect as gi
+from workbench.experiments import gguf_inspect as gi
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu import available
+from workbench.kernels.cpu import available
 from workbench import LLM, SamplingParams
 from workbench.compress.checkpoint import save_pruned
 from workbench.compress.pruning import PruneConfig
@@ -25,7 +25,7 @@ from workbench.compress.structured import (head_counts, head_scores, heads_remov
                                            kept_heads, prune_heads, slice_heads)
 from workbench.models.loader import load_model
 from workbench.quant.calibration import heldout_windows
-from workbench.quant.evaluate import compare_many
+from workbench.experiments.quality import compare_many
 from workbench.quant.forward import prefill_hidden
 
 needs_kernels = pytest.mark.skipif(not available()[0], reason="CPU kernels unavailable")

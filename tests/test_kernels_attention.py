@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 from conftest import KERNEL_DEVICES
-from kernels.flash_attention import flash_attention, flash_attention_varlen
-from kernels.paged_decode import paged_decode_attention
-from kernels.reference import (attention_reference, paged_attention_reference,
+from workbench.kernels.flash_attention import flash_attention, flash_attention_varlen
+from workbench.kernels.paged_decode import paged_decode_attention
+from workbench.kernels.reference import (attention_reference, paged_attention_reference,
                                paged_decode_reference, varlen_attention_reference)
 
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -203,7 +203,7 @@ def test_bad_inputs_name_the_problem():
 def test_quantized_kv_cache_is_dequantized_on_read(device, fmt, dtype):
     """Both attention kernels read FP8/INT8 rows (codes + scale) and agree with the reference
     run on the dequantized cache: quantization error is the cache's, not the kernel's."""
-    from workbench.quant.kv import dequantize_rows, quantize_rows
+    from workbench.layers.kv_formats import dequantize_rows, quantize_rows
     torch.manual_seed(8)
     seq_lens, q_lens = [37, 9, 1], [5, 9, 1]
     k_cache, v_cache, table, lens = paged_setup(seq_lens, 8, 2, 64, device)

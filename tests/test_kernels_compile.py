@@ -11,7 +11,7 @@ import sys
 
 PROGRAM = """
 import json
-from kernels.compile_check import compile_all
+from workbench.kernels.compile_check import compile_all
 print(json.dumps([c.__dict__ for c in compile_all()]))
 """
 

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from conftest import KERNEL_DEVICES
-from kernels.reference import rms_norm_reference, rotary_reference
-from kernels.rms_norm import rms_norm
-from kernels.rotary import apply_rotary_
-from workbench.models.llama import LlamaArgs, RotaryEmbedding
+from workbench.kernels.reference import rms_norm_reference, rotary_reference
+from workbench.kernels.rms_norm import rms_norm
+from workbench.kernels.rotary import apply_rotary_
+from workbench.layers.rotary import RotaryEmbedding
+from workbench.models.llama import LlamaArgs
 
 
 def ulp_close(out, ref, device):
@@ -78,7 +79,7 @@ def test_rotary_in_place_on_fused_qkv_views(device, dtype, heads, kv_heads, head
 
 def test_rotary_reference_is_the_models_arithmetic():
     """The spec the kernel is held to is the model's own rotate-half code (transformers')."""
-    from workbench.models.llama import apply_rotary
+    from workbench.layers.rotary import apply_rotary
     args = LlamaArgs(vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=1,
                      num_attention_heads=1, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-5,
                      rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=True)

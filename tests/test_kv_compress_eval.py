@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from workbench import LLM
-from workbench.kv.compress_eval import (
+from workbench.experiments.kv_compression import (
     KVTransform, bytes_per_token, calibrate_key_bases, compression_table, depth_plans,
     layer_sensitivity, ranked_plans, sharing_map, window_nll)
 from workbench.kv.paged_cache import kv_bytes_per_token
 from workbench.quant.calibration import calibration_windows, heldout_windows
-from workbench.quant.evaluate import nll, window_logprobs
+from workbench.experiments.quality import nll, window_logprobs
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ from test_paged_equality import make_prompts, run_engine
 from workbench import LLM, SamplingParams
 from workbench.kv.paged_cache import kv_bytes_per_token
 from workbench.models.llama import LlamaArgs
-from workbench.quant.kv import dequantize_rows, quantize_rows
-from workbench.quant.kv_plan import layer_kv_dtypes, resolve
+from workbench.layers.kv_formats import dequantize_rows, quantize_rows
+from workbench.config.kv_plan import layer_kv_dtypes, resolve
 
 
 def test_int4_rows_pack_two_codes_per_byte_exactly():
@@ -96,8 +96,8 @@ def test_mixed_plan_allocates_each_layer_in_its_format(tiny_folder):
 def test_same_budget_holds_more_tokens_with_a_plan(tiny_folder):
     kw = dict(model=str(tiny_folder), dtype="bfloat16", device="cpu", verbose=False,
               kv_cache_memory=2**20, max_model_len=128)
-    plain = LLM(**kw).engine.config.num_kv_blocks
-    mixed = LLM(kv_cache_dtype="auto:0,int4:1", **kw).engine.config.num_kv_blocks
+    plain = LLM(**kw).engine.plan.num_kv_blocks
+    mixed = LLM(kv_cache_dtype="auto:0,int4:1", **kw).engine.plan.num_kv_blocks
     # per (token, head, layer) 32 bytes in bf16 against 12 for INT4 rows at head_dim 16
     assert mixed == 2**20 // (2 * 2 * (32 + 12) * 16)
     assert mixed / plain == pytest.approx(64 / 44, rel=0.01)
@@ -149,9 +149,9 @@ def test_smollm2_mild_plan_keeps_perplexity(smollm2_folder):
     """INT8 everywhere but the first 2 layers: greedy generation runs and the perplexity on 2
     held-out windows of 128 tokens stays within 1% of the model-dtype cache (measured: +0.0%,
     INT8's step is max|x| / 254 per row; 1% leaves room for other CPUs' bf16 sums)."""
-    from workbench.kv.compress_eval import perplexity
+    from workbench.experiments.kv_compression import perplexity
     from workbench.quant.calibration import heldout_windows
-    from workbench.quant.evaluate import nll, window_logprobs
+    from workbench.experiments.quality import nll, window_logprobs
     plan = "auto:0-1,int8:2-29"
     llm = LLM(model="smollm2-135m", device="cpu", verbose=False, max_model_len=256,
               max_num_seqs=2, kv_cache_dtype=plan)
@@ -171,7 +171,7 @@ def test_the_compiled_paths_attention_operator_reads_each_layers_format():
     in its own format: each layer's output equals attention over its K/V rounded through that
     format, and each format is planned once per step."""
     from workbench.attention.torch_backend import TorchAttention
-    from workbench.engine.runner import pack
+    from workbench.worker.model_runner import pack
     from workbench.kv.paged_cache import PagedKVCache
     from workbench.models.compile import attention_context
     args = LlamaArgs(vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=3,

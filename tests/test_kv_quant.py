@@ -10,7 +10,7 @@ from test_paged_equality import make_prompts, run_engine
 from workbench import LLM, SamplingParams
 from workbench.kv.paged_cache import kv_bytes_per_token
 from workbench.models.llama import LlamaArgs
-from workbench.quant.kv import dequantize_rows, quantize_rows
+from workbench.layers.kv_formats import dequantize_rows, quantize_rows
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
@@ -47,7 +47,7 @@ def test_same_budget_holds_more_tokens(tiny_folder, fmt):
     kw = dict(model=str(tiny_folder), dtype="bfloat16", device="cpu", verbose=False,
               kv_cache_memory=2**20, max_model_len=128)
     plain, quant = LLM(**kw).engine, LLM(kv_cache_dtype=fmt, **kw).engine
-    ratio = quant.config.num_kv_blocks / plain.config.num_kv_blocks
+    ratio = quant.plan.num_kv_blocks / plain.plan.num_kv_blocks
     # 32 bytes vs 20 per (token, head) at the tiny model's head_dim 16 (SmolLM2's 64: 128 vs 68)
     assert ratio == pytest.approx(32 / 20, rel=0.01)
 

@@ -280,7 +280,7 @@ def test_smollm2_tokens_with_spills_and_loads_equal_the_plain_engine(tmp_path):
 
 
 def test_tier_bench_loads_every_context_block_from_each_tier(tiny_folder, tmp_path):
-    from workbench.kv.tier_bench import measure_tier_ttft
+    from workbench.experiments.kv_tiers import measure_tier_ttft
     result = measure_tier_ttft([20, 40], model=str(tiny_folder), block_size=4, turn_tokens=4,
                                disk_dir=str(tmp_path), dtype="float32", device="cpu",
                                attention_backend="torch", cpu_gemv=False)

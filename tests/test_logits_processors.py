@@ -7,9 +7,9 @@ from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 
 from conftest import hf_model
 from workbench import SamplingParams
-from workbench.engine.logits_processors import (History, apply_min_p, apply_penalties,
+from workbench.sample.logits_processors import (History, apply_min_p, apply_penalties,
                                                 banned_tokens, process_logits)
-from workbench.engine.sampler import Sampler
+from workbench.sample.sampler import Sampler
 
 
 def test_repetition_penalty_equals_transformers():

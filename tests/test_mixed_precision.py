@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from workbench import LLM, SamplingParams
-from workbench.quant.linear import Int4Linear, Int8Linear
+from workbench.layers.linear import Int4Linear, Int8Linear
 from workbench.quant.mixed import plan
 
 
@@ -54,7 +54,7 @@ def test_an_explicit_plan_gives_each_projection_its_format(tiny_folder):
 
 def test_on_smollm2_mixed_beats_uniform_int4_at_no_more_bytes(smollm2_llm):
     from workbench.quant.calibration import heldout_windows
-    from workbench.quant.evaluate import compare_many
+    from workbench.experiments.quality import compare_many
     from workbench.quant.mixed import named_projections
     calib = {"num_calibration_windows": 4, "calibration_window_len": 64, "mixed_sensitivity_windows": 1}
     engines = {m: LLM(model="smollm2-135m", dtype="float32", verbose=False, max_model_len=256,

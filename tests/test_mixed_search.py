@@ -1,4 +1,4 @@
-"""The mixed-precision search (quant/search.py): the Pareto front, each plan's bits and KL measured
+"""The mixed-precision search (experiments/mixed_search.py): the Pareto front, each plan's bits and KL measured
 exactly as the engine's modules give them, and Optuna's trials reproducible from the seed."""
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from workbench import LLM
-from workbench.quant.evaluate import kl_divergence
+from workbench.quant.metrics import kl_divergence
 from workbench.quant.forward import prefill_logprobs
 from workbench.quant.mixed import named_projections, quantized
-from workbench.quant.search import PlanEvaluator, expand, group_of, pareto, search
+from workbench.experiments.mixed_search import PlanEvaluator, expand, group_of, pareto, search
 
 
 def test_pareto_keeps_exactly_the_non_dominated_points():

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from workbench import LLM
-from workbench.offload.cost_model import (LayerCost, Machine, compute_time, head_cost, layer_costs,
+from workbench.experiments.offload_cost import (LayerCost, Machine, compute_time, head_cost, layer_costs,
                                           measure_flops, measure_memory_bandwidth,
                                           measure_offload_curve, measure_slow_bandwidth,
                                           predict_from_resident, predict_step_time,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from workbench import LLM, SamplingParams
-from workbench.parallel.executor import WorkerDied
+from workbench.executor.distributed import WorkerDied
 from workbench.parallel.moe import MoEMLP
 from workbench.parallel.pipeline import bubble_fraction, stage_layers
 
@@ -289,7 +289,7 @@ def test_aborting_a_request_whose_batch_is_in_the_pipeline(tiny_folder):
         engine = llm.engine
         ids = [engine.add_request(p, params) for p in prompts]
         engine.step()                         # both micro-batches posted, the first collected
-        in_flight = {s.request_id for _, batch, *_ in engine._in_flight for s in batch.seqs}
+        in_flight = {s.request_id for f in engine._in_flight for s in f.batch.seqs}
         victim = sorted(in_flight)[0]
         engine.abort_request(victim)
         while engine.has_unfinished_requests():

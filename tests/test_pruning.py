@@ -13,7 +13,7 @@ from workbench.compress.pruning import (PruneConfig, keep_mask, sparsegpt_prune_
                                         sparsity_report, storage_bytes, wanda_score)
 from workbench.compress.structured import block_influence, slice_channels
 from workbench.quant.calibration import heldout_windows
-from workbench.quant.evaluate import compare_many
+from workbench.experiments.quality import compare_many
 
 
 def correlated_inputs(tokens: int, k: int, seed: int) -> torch.Tensor:

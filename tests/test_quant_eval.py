@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from conftest import engine_next_token_logits
 from workbench import LLM
 from workbench.quant import calibration as cal
-from workbench.quant import evaluate as ev
+from workbench.experiments import quality as ev
 
 WINDOWS, WINDOW_LEN = 2, 128
 

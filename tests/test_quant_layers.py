@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from conftest import KERNEL_DEVICES
-from kernels.cpu import available as cpu_kernels_available
-from kernels.quant_matmul import int4_weight_matmul, int8_weight_matmul
-from workbench.quant.formats import (pack_int4, pad_to_groups, quantize_int4, quantize_int8,
+from workbench.kernels.cpu import available as cpu_kernels_available
+from workbench.kernels.quant_matmul import int4_weight_matmul, int8_weight_matmul
+from workbench.layers.formats import (pack_int4, pad_to_groups, quantize_int4, quantize_int8,
                                      unpack_int4)
-from workbench.quant.linear import Int4Linear, Int8Linear, W8A8Linear, quantize_activations_int8
+from workbench.layers.linear import Int4Linear, Int8Linear, W8A8Linear, quantize_activations_int8
 
 
 def test_int8_round_trip_within_half_a_step():

@@ -18,16 +18,16 @@ import time
 import pytest
 import torch
 
-from kernels.reference import rms_norm_reference
+from workbench.kernels.reference import rms_norm_reference
 from workbench import LLM, SamplingParams
 from workbench.models.loader import load_model, resolve_checkpoint
 from workbench.quant.apply import QuantConfig, quantize_model
 from workbench.quant.awq import search_scale
 from workbench.quant.calibration import calibration_windows, heldout_windows
-from workbench.quant.formats import quantize_int4
+from workbench.layers.formats import quantize_int4
 from workbench.quant.forward import prefill_hidden, prefill_logprobs
 from workbench.quant.gptq import LayerwiseRunner, gptq_quantize_weight
-from workbench.quant.linear import QuantLinear, W8A8Linear
+from workbench.layers.linear import QuantLinear, W8A8Linear
 from workbench.quant.smoothquant import (LayerWeights, collect_input_stats, fold_scales,
                                          gqa_shared, input_channel_max,
                                          previous_op_weight_absmax, smoothing_scales)

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from workbench import SamplingParams
-from workbench.engine.sampler import Sampler, apply_top_k_top_p
+from workbench.sample.sampler import Sampler, apply_top_k_top_p
 
 
 def empirical(logits, params, n=20000, seed=0):

@@ -15,15 +15,15 @@ import math
 import pytest
 import torch
 
-from kernels.cpu import available
+from workbench.kernels.cpu import available
 from workbench import LLM, SamplingParams
 from workbench.models.loader import load_model, resolve_checkpoint
 from workbench.quant.apply import QuantConfig, quantize_model
 from workbench.quant.calibration import calibration_windows, heldout_windows
-from workbench.quant.evaluate import compare
-from workbench.quant.formats import Int8Weight, quantize_int8
+from workbench.experiments.quality import compare
+from workbench.layers.formats import Int8Weight, quantize_int8
 from workbench.quant.forward import prefill_logprobs
-from workbench.quant.linear import W8A8Linear, quantize_activations_int8_static, set_impl
+from workbench.layers.linear import W8A8Linear, quantize_activations_int8_static, set_impl
 from workbench.quant.smoothquant import (TARGETS, LayerWeights, collect_input_stats, fold_scales,
                                          previous_op_weight_absmax, smoothing_scales)
 
@@ -230,7 +230,7 @@ def test_static_model_generates_and_stays_close(reference, static_llm):
     model = static_llm.engine.model
     assert all(projection(layer, t).input_scale is not None for layer in model.layers
                for t in TARGETS)
-    assert not static_llm.engine.config.use_fused_decode      # W8A8 decodes layer by layer
+    assert not static_llm.engine.plan.kernels.fused_decode      # W8A8 decodes layer by layer
     outs = static_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12,
                                                        ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in outs] == [12] * len(PROMPTS)

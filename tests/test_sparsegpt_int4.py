@@ -6,9 +6,9 @@ import torch
 from workbench import LLM, SamplingParams
 from workbench.compress.pruning import (PruneConfig, prune_model, sparsegpt_prune_weight,
                                         sparsegpt_quantize_weight, zero_point_grid)
-from workbench.quant.formats import quantize_int4
+from workbench.layers.formats import quantize_int4
 from workbench.quant.gptq import gptq_quantize_weight
-from workbench.quant.linear import Int4Linear
+from workbench.layers.linear import Int4Linear
 from test_pruning import correlated_inputs, hessian
 
 

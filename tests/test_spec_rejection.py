@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from workbench import SamplingParams
-from workbench.spec.rejection import processed_probs, verify, verify_greedy, verify_sampled
+from workbench.sample.rejection import processed_probs, verify, verify_greedy, verify_sampled
 
 V, K = 6, 3
 

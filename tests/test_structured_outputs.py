@@ -16,7 +16,7 @@ pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
 from workbench.models.loader import load_tokenizer  # noqa: E402
-from workbench.structured.grammar import (  # noqa: E402
+from workbench.sample.grammar import (  # noqa: E402
     GrammarCompiler,
     StructuredOutputsParams,
     apply_bitmask,

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from workbench import LLM, SamplingParams
-from workbench.config import EngineConfig
+from workbench.config import EngineConfig, plan_kernels
 from workbench.offload import (CpuTier, DiskTier, LayerLayout, WeightOffload,
                                choose_offloaded_layers)
 from workbench.offload.weights import ALIGN
@@ -51,11 +51,12 @@ def test_bad_settings_name_the_field_the_value_and_what_is_allowed(kwargs, messa
 
 def test_auto_tier_and_the_fused_step_turned_off_with_a_reason():
     c = EngineConfig(device="cpu", cpu_offload_gb=0.5)
-    assert (c.offload_tier, c.use_weight_offload) == ("disk", True)
-    assert not c.use_fused_decode and "weight offload" in c.fused_decode_reason
-    assert EngineConfig(device="cpu", cpu_offload_gb=0.5, weight_offload="cpu").offload_tier == "cpu"
-    off = EngineConfig(device="cpu")
-    assert not off.use_weight_offload
+    k = plan_kernels(c)
+    assert (k.offload_tier, c.offload_config.enabled) == ("disk", True)
+    assert not k.fused_decode and "weight offload" in k.reasons["fused_decode"]
+    cpu = EngineConfig(device="cpu", cpu_offload_gb=0.5, weight_offload="cpu")
+    assert plan_kernels(cpu).offload_tier == "cpu"
+    assert not EngineConfig(device="cpu").offload_config.enabled
 
 
 # ---------------------------------------------------------------------------- choosing layers

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence as Seq
 
-from .config import EngineConfig
-from .engine.llm_engine import LLMEngine
-from .outputs import RequestOutput, StreamChunk
-from .engine.output_processor import OutputProcessor
-from .sampling_params import SamplingParams
+from workbench.compress.checkpoint import save_pruned
+from workbench.config import EngineConfig
+from workbench.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from workbench.engine.llm_engine import LLMEngine
+from workbench.engine.output_processor import OutputProcessor
+from workbench.kernels.cpu import best_isa
+from workbench.outputs import RequestOutput, StreamChunk
+from workbench.quant.checkpoint import save_quantized
+from workbench.sampling_params import SamplingParams
 
 
 def _is_token_ids(x) -> bool:
@@ -38,57 +42,60 @@ class LLM:
             print(self.describe())
 
     def describe(self) -> str:
-        e = self.engine
-        dtype = str(e.dtype).removeprefix("torch.")
-        how = " (auto)" if e.config.device == "auto" else ""
-        if e.config.dtype == "auto":
-            dtype += (" (auto: CUDA)" if e.device.type == "cuda" else
+        """What the engine chose, and why where it is not what was asked (the plan's reasons)."""
+        e, plan = self.engine, self.engine.plan
+        k, config = plan.kernels, e.config
+        dtype = str(k.dtype).removeprefix("torch.")
+        how = " (auto)" if config.device == "auto" else ""
+        if config.dtype == "auto":
+            dtype += (" (auto: CUDA)" if k.device.type == "cuda" else
                       " (auto: this CPU has native bf16)" if dtype == "bfloat16" else
                       " (auto: no native bf16 on this CPU)")
-            if e.weights_stored_bf16:
-                dtype += (f" activations, {e.weights_stored_bf16} layers' weights in bf16 (half "
-                          "the bytes a decode step reads)")
+            if e.built is not None and e.built.weights_stored_bf16:
+                dtype += (f" activations, {e.built.weights_stored_bf16} layers' weights in bf16 "
+                          "(half the bytes a decode step reads)")
         quant = f", quantization={e.quantization}" if e.quantization else ""
-        if e.config.prune_config is not None:
-            quant = f", pruning={e.config.prune_config.describe()}" + quant
-        elif e.pruned_manifest is not None:
-            quant = f", pruned checkpoint ({e.pruned_manifest['method']})" + quant
-        moe = e.config.moe_config
+        if config.prune_config is not None:
+            quant = f", pruning={config.prune_config.describe()}" + quant
+        elif e.built is not None and e.built.pruned_manifest is not None:
+            quant = f", pruned checkpoint ({e.built.pruned_manifest['method']})" + quant
+        moe = config.moe_config
         quant += f", moe={moe['num_experts']} experts top-{moe['top_k']}" if moe else ""
-        weights = (f"weights {e.model.weight_bytes() / 2**20:.0f} MiB on {e.device.type}{how}"
-                   if e.executor is None else
-                   f"weights on {e.executor.layout.describe()}, {e.device.type}{how}")
-        kv = f", kv_cache_dtype={e.config.kv_cache_dtype}" if e.config.kv_cache_dtype != "auto" else ""
-        if e.device.type == "cpu" and e.executor is None:
+        weights = (f"weights {e.model.weight_bytes() / 2**20:.0f} MiB on {k.device.type}{how}"
+                   if e.model is not None else
+                   f"weights on {e.executor.layout.describe()}, {k.device.type}{how}")
+        kv = f", kv_cache_dtype={config.kv_cache_dtype}" if config.kv_cache_dtype != "auto" else ""
+        if k.device.type == "cpu" and e.model is not None:
             kv += self._cpu_paths()
         if e.offload is not None:
             kv += (f", weight offload: layers {e.offload.describe_layers()} "
                    f"({e.offload.offloaded_bytes / 2**20:.0f} MiB) in the {e.offload.tier.name} "
                    "tier, two resident buffers")
-        if e.config.cuda_graphs:
+        if config.cuda_graphs:
             g = e.runner.forward_fn
             kv += (f", decode steps: CUDA graphs for batch sizes {g.sizes[0]}-{g.sizes[-1]} "
                    f"({len(g.sizes)} captured in {g.capture_s:.1f} s)")
-        return (f"[workbench] {e.config.model}: {weights}, {dtype}{quant}{kv}, "
-                f"attention={e.backend.name}, "
-                f"max_model_len={e.config.max_model_len}, max_num_seqs={e.config.max_num_seqs}, "
+        sizes = "".join(f" ({plan.reasons[n]})" if n in plan.reasons else ""
+                        for n in ("max_model_len",))
+        return (f"[workbench] {config.model}: {weights}, {dtype}{quant}{kv}, "
+                f"attention={e.backend.name if e.backend is not None else k.attention_backend}, "
+                f"max_model_len={plan.max_model_len}{sizes}, max_num_seqs={config.max_num_seqs}, "
                 f"KV cache {e.kv_cache_bytes / 2**20:.0f} MiB = {e.kv_cache_tokens} tokens "
-                f"({e.config.num_kv_blocks} blocks of {e.config.block_size}, "
-                f"{e.config.kv_cache_layout})")
+                f"({plan.num_kv_blocks} blocks of {config.block_size}, {config.kv_cache_layout})")
 
     def _cpu_paths(self) -> str:
         """Which fast CPU paths this engine takes, and why not the others."""
-        c = self.engine.config
-        from kernels.cpu import best_isa
+        k, config = self.engine.plan.kernels, self.engine.config
+        why = k.reasons
         parts = [f"matmuls: kernels/cpu {best_isa()} loops for small row counts, torch's GEMM above"
-                 if c.use_cpu_gemv else f"matmuls: torch (cpu_gemv off: {c.cpu_gemv_reason})",
-                 "decode steps: one C++ call (fused_decode)" if c.use_fused_decode else
-                 f"decode steps: layer by layer (fused_decode off: {c.fused_decode_reason})"]
-        if c.attention_reason:
-            parts.append(f"attention: torch ({c.attention_reason})")
-        if c.batch_invariant:
+                 if k.cpu_gemv else f"matmuls: torch (cpu_gemv off: {why.get('cpu_gemv', '')})",
+                 "decode steps: one C++ call (fused_decode)" if k.fused_decode else
+                 f"decode steps: layer by layer (fused_decode off: {why.get('fused_decode', '')})"]
+        if "attention_backend" in why:
+            parts.append(f"attention: torch ({why['attention_backend']})")
+        if config.batch_invariant:
             parts.append("batch_invariant: results independent of the batch")
-        if not c.compile:
+        if not config.compile:
             parts.append("compile off (compile=True pays its first-step compilation back on long "
                          "batched runs)")
         return ", " + ", ".join(parts)
@@ -107,12 +114,22 @@ class LLM:
 
     def save_pruned(self, path) -> str:
         """Save a pruned model as a folder; LLM(model=path) loads it without recalibrating, and
-        LLM(model=path, quantization=...) quantizes it."""
-        return self.engine.save_pruned(path)
+        LLM(model=path, quantization=...) quantizes it (compress/checkpoint.py)."""
+        e = self.engine
+        if e.config.prune_config is None:
+            raise ValueError("save_pruned needs a pruned model: build the LLM with pruning=... "
+                             "first")
+        return str(save_pruned(e.model, e.config.prune_config, e.checkpoint, path))
 
     def save_quantized(self, path) -> str:
-        """Save a quantized model as a folder; LLM(model=path) loads it without recalibrating."""
-        return self.engine.save_quantized(path)
+        """Save a quantized model as a folder; LLM(model=path) loads it without recalibrating
+        (quant/checkpoint.py)."""
+        e = self.engine
+        if e.quantization is None:
+            raise ValueError("save_quantized needs a quantized model: build the LLM with "
+                             "quantization=... first")
+        group = e.config.quant_config.group_size if e.config.quant_config is not None else 0
+        return str(save_quantized(e.model, e.quantization, group, e.checkpoint, path))
 
     @property
     def trace(self):
@@ -195,10 +212,9 @@ class LLM:
                 if self.engine.get_sequence(r) is not None:
                     self.engine.abort_request(r)
 
-    def beam_search(self, prompts, params: "BeamSearchParams") -> list["BeamSearchOutput"]:
+    def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
         """transformers' beam search (generate(num_beams=...)) with beams that share KV blocks:
         one BeamSearchOutput per prompt, its beam_width hypotheses best first."""
-        from .engine.beam_search import BeamSearchParams, beam_search
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params={params!r:.60} is invalid: pass a BeamSearchParams")
         if isinstance(prompts, str) or _is_token_ids(prompts) or isinstance(prompts, dict):
@@ -213,19 +229,7 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
     def apply_chat_template(self, conversation, add_generation_prompt: bool = True) -> list[int]:
-        tok = self.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise ValueError(f"model={self.engine.config.model!r} has no chat template")
-        for i, m in enumerate(conversation):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
-                    or not isinstance(m.get("content"), str):
-                raise ValueError(f"messages[{i}]={m!r:.60} is invalid: each message is a dict "
-                                 "with str 'role' and 'content'")
-        ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                      tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer transformers: BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        return self.engine.processor.apply_chat_template(conversation, add_generation_prompt)
 
     # ------------------------------------------------------------------------------ stream
     def stream(self, prompt, sampling_params: SamplingParams | None = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .structured.params import StructuredOutputsParams
+from workbench.structured.params import StructuredOutputsParams
 
 
 @dataclass

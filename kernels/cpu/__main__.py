@@ -1,4 +1,4 @@
-"""python -m kernels.cpu: build the CPU kernels now (once per machine) and say whether they run."""
+"""python -m workbench.kernels.cpu: build the CPU kernels now (once per machine) and say whether they run."""
 from . import describe
 
-print(f"[kernels.cpu] {describe()}")
+print(f"[workbench.kernels.cpu] {describe()}")

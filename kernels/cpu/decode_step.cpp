@@ -14,7 +14,7 @@
 // Python 0.4 ms). Here the layer loop is C++ and the small operations between the matmuls are
 // vector loops over a few hundred values, so what remains is the matmuls, the attention kernel and
 // one Python call. llama.cpp runs its whole graph in C the same way. With fp32 activations
-// (SmolLM2-135M, batch 1, 2 threads, medians of 7 pairs, `python -m kernels.cpu.bench_decode_step
+// (SmolLM2-135M, batch 1, 2 threads, medians of 7 pairs, `python -m workbench.bench.cpu_decode_step
 // bf16 int4`): unfused / fused = 1.65x with bf16 and 2.46x with INT4 weights under
 // WORKBENCH_ISA=avx2 (5.5 / 3.9 ms a step), 1.75x and 2.22x under AVX512-BF16.
 //

@@ -23,7 +23,7 @@
 // 17.7, M=8 36.3 vs 24.0). fp32 x runs them in tiles of rows (each weight row read once per tile)
 // up to the per-format limits below, measured separately.
 //
-// Why the INT4 and INT8 loops take their shape (python -m kernels.cpu.bench --formats int4,int8):
+// Why the INT4 and INT8 loops take their shape (python -m workbench.bench.cpu_gemv --formats int4,int8):
 // - INT4 makes operands from the codes with a few integer ops and sums once per row: a row-major
 //   loop with a horizontal sum per group and the codes widened to floats runs 1.9x slower than
 //   aten's _weight_int4pack_mm_for_cpu (2-core Intel Xeon with AVX-512 BF16 and AMX).
@@ -56,7 +56,7 @@ constexpr int64_t kBlock = 64;         // weight rows per block, read by every t
 // GEMM. (aten's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu take fp32 x in torch 2.13 but
 // ran 14-90x slower than these loops at every M from 1 to 64, so fp32 x never goes to them.)
 // Widen-and-GEMM / loop per call, SmolLM2's layers (LM head), 2 threads, 2-core AMD EPYC, AVX2
-// (python -m kernels.cpu.bench --x fp32 --vs widened --rows 64,256,512, with these limits raised):
+// (python -m workbench.bench.cpu_gemv --x fp32 --vs widened --rows 64,256,512, with these limits raised):
 // bf16 w 1.5-1.8x (3.1x) at M=64, 1.04-1.22x (1.55x) at 256, 0.92-1.09x (1.28x) at 512; fp32 w
 // 1.01-1.21x (2.0x) at M=32, 0.82-0.94x (1.44x) at 64. AVX-512 at M=64 (tiles of 4 rows then):
 // bf16 and fp32 w 1.2-1.8x, int8 1.6-2.6x, int4 1.5-3.6x, LM head 1.7-10.6x.
@@ -69,7 +69,7 @@ constexpr int64_t kMaxRowsFp32Fp32 = 32;
 constexpr int64_t kMaxRowsFp32Quant = 64;
 // Rows of x per pass over a block (bf16/fp32/int8 loops): 6 rows x 2 chains = 12 accumulators, of
 // AVX2's 16 registers, while the tile's fp32 rows fit in kTileBytes of L1 (else 4 rows). Tiles of
-// 6 against 4 (python -m kernels.cpu.bench --x fp32 --formats bf16 --rows 6,16,64 --vs ref
+// 6 against 4 (python -m workbench.bench.cpu_gemv --x fp32 --formats bf16 --rows 6,16,64 --vs ref
 // --against DIR, DIR holding tiles of 4; 2 AVX2 cores): 1.09-1.32x on SmolLM2's K=576 shapes,
 // 0.93-0.97x on its K=1536 one (36 KB of x per tile), hence the limit.
 constexpr int64_t kTileDense = 6;
@@ -121,7 +121,7 @@ inline Vec load_w(const int8_t* p) { return wb::load_int8(p); }
 // one sequential stream, the pattern hardware prefetchers follow best. (Interleaving 4 rows to
 // reuse each load of x runs 19-21 GB/s against 24-26 for one row at a time, on a 2-core AMD EPYC;
 // x is a few KB and stays in L1.) C accumulators per x row hide the FMA latency. finish(m, n,
-// sum) stores the row's fp32 sum. M=1, 1 thread, torch/ours (python -m kernels.cpu.bench --threads
+// sum) stores the row's fp32 sum. M=1, 1 thread, torch/ours (python -m workbench.bench.cpu_gemv --threads
 // 1 --formats bf16,fp32,int8): fp32 x, bf16 w 1.3-1.6x the fp32 F.linear on AVX2 and 1.9-2.6x on
 // AVX-512 (LM head 4.2x / 4.7x), fp32 w 1.2-1.3x / 1.3-1.7x (LM head 2.4x / 2.7x), int8 w 14-19x /
 // 20-35x aten's int8 kernel with fp32 x; bf16 x, int8 w 1.2-1.3x / 1.1-1.3x (LM head 2.1x / 1.8x).
@@ -212,7 +212,7 @@ inline __m512 dot_bf16(__m512 acc, const bf16* a, const bf16* b, __mmask32 mask)
 
 // vdpbf16ps multiplies 32 bf16 pairs and adds them into 16 fp32 lanes: x stays bf16, no widening.
 // gate_up, 1 thread: 45.8 us, against 50.7 for the dense loop on the avx512 build, 106.7 for torch's
-// bf16 F.linear (python -m kernels.cpu.bench --x bf16 --formats bf16 --threads 1).
+// bf16 F.linear (python -m workbench.bench.cpu_gemv --x bf16 --formats bf16 --threads 1).
 template <int M>
 void bf16_rows(const bf16* x, const bf16* w, bf16* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   constexpr int64_t kStep = 32 * kChains;
@@ -440,7 +440,7 @@ inline void int4_chunk_lanes(const uint8_t* w, const int16_t* xq, int64_t K, Vec
 // Rows n0..n1 of the codes for M rows of prepared x: per chunk, the integer product scaled by
 // scale_g * xs (one FMA per chunk), one horizontal sum per row; minimum_g S_g added at the end.
 // fp32 x, M=1, 1 thread, AVX2 (WORKBENCH_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 python -m
-// kernels.cpu.bench --x fp32 --formats int4 --threads 1): gate_up 40 us, 2.4x the fp32 F.linear's
+// workbench.bench.cpu_gemv --x fp32 --formats int4 --threads 1): gate_up 40 us, 2.4x the fp32 F.linear's
 // 98 us, 73x aten's _weight_int4pack_mm_for_cpu with fp32 x (4.2x aten's with bf16 x); 28-78x aten's
 // on every SmolLM2 shape, on AVX-512 too.
 template <int M, class Sc, class Finish>

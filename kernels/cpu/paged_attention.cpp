@@ -123,7 +123,7 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, T* out, const in
 // each row read, attend_fixed fetches the same row of the next block (of K; in K's last block, of
 // V's first), so the next block is in flight while this one is computed: blocks lie anywhere in
 // the pool, and the hardware prefetcher loses the stream at every block boundary. 1.18x per layer
-// call on 48 sequences of ~230 positions, 2 AVX2 cores (python -m kernels.cpu.bench_attention fp32
+// call on 48 sequences of ~230 positions, 2 AVX2 cores (python -m workbench.bench.cpu_attention fp32
 // --against DIR, DIR without it); whole blocks two ahead into L2 gained nothing there.
 template <typename T, int kD>
 inline void prefetch_head_row(const T* ahead, int64_t j, int64_t kv_stride) {
@@ -138,7 +138,7 @@ inline void prefetch_head_row(const T* ahead, int64_t j, int64_t kv_stride) {
 // (AVX-512): 0.95 ms with the general loop above, 0.68 ms with this one (2 cores). fp32 stays
 // here rather than in attend_rows: an attend_rows<float> took 2363 vs 2220 us per layer call under
 // AVX512-BF16 flags, 2261 vs 2228 under AVX2 (medians of 7 rounds, one thread, `python -m
-// kernels.cpu.bench_attention fp32 --threads 1`). With 2 threads, gather + SDPA / this = 2.1x
+// workbench.bench.cpu_attention fp32 --threads 1`). With 2 threads, gather + SDPA / this = 2.1x
 // under AVX512-BF16 (1346 us, without prefetch_head_row) and 3.3x under AVX2 (1243 us).
 template <typename T, int kG, int kD>
 void attend_fixed(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* blocks,
@@ -207,7 +207,7 @@ void attend_fixed(const T* q, const T* k_cache, const T* v_cache, T* out, const 
 // Result on that shape: 750 -> ~420 us per layer call (16 GB/s), 225 -> 165 us with the cache in
 // L3. A kernel that only reads the same rows in the same order takes ~300-330 us here: what is
 // left is mostly the cost of the scattered blocks, not arithmetic. On the 48 x ~230 shape (2
-// threads, `python -m kernels.cpu.bench_attention bf16`): 685-747 us per layer call under
+// threads, `python -m workbench.bench.cpu_attention bf16`): 685-747 us per layer call under
 // AVX512-BF16, gather + SDPA / this 11-12x; 908 us under AVX2 (WORKBENCH_ISA=avx2), 8.8x. The
 // portable source compiles under AVX512-BF16 to the same inner loops as hand-written intrinsics
 // (32 dpbf16, 12 FMAs, same prefetches); intrinsics / this in one process (`--against DIR`,
@@ -279,7 +279,7 @@ inline void walk_tile(const T* cache, const int64_t* blocks, int64_t t0, int64_t
 // registers), as many as keep kG * kVPer * chunks accumulators within 8 registers elsewhere
 // (AVX2 has 16). A budget of 12 (G=3: two chunks a pass) runs at 0.94x the speed of 8 on the
 // 48 x ~230 bf16 shape (median of 7 pairs, `WORKBENCH_ISA=avx2 python -m
-// kernels.cpu.bench_attention bf16 --against DIR`, DIR a copy of these sources with 8).
+// workbench.bench.cpu_attention bf16 --against DIR`, DIR a copy of these sources with 8).
 constexpr int chunks_per_pass(int chunks, int accs_per_chunk) {
   const int budget = kLanes >= 16 ? 32 : 8;
   int best = 1;

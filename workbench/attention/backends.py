@@ -16,7 +16,7 @@ keys up to its own position (causal, aligned bottom-right). It may cache per-ste
 `meta.plan` (the metadata object is shared by all layers of one step).
 
 A backend also carries `ops`, the implementation of the per-token operations around attention
-(fused residual add + RMSNorm, rotary embedding; models/ops.py), so that one choice switches the
+(fused residual add + RMSNorm, rotary embedding; layers/ops.py), so that one choice switches the
 whole layer between plain PyTorch and the Triton kernels.
 
 - "torch": plain PyTorch (torch_backend.py), the specification; the default on CPU.
@@ -33,7 +33,8 @@ import os
 
 import torch
 
-from .torch_backend import TorchAttention
+from workbench.attention.torch_backend import TorchAttention
+from workbench.kernels.cpu import available
 
 BACKENDS = ("torch", "cpu", "triton")
 
@@ -50,7 +51,6 @@ def get_attention_backend(name: str, device: torch.device, batch_invariant: bool
         if device.type != "cpu":
             raise ValueError(f"attention_backend='cpu' is invalid on device {device.type!r}: its "
                              "decode kernel is C++ for x86 CPUs; use 'auto'")
-        from kernels.cpu import available
         ok, reason = available()
         if not ok:
             raise ValueError(f"attention_backend='cpu' is invalid here: {reason}; use 'torch'")
@@ -60,7 +60,7 @@ def get_attention_backend(name: str, device: torch.device, batch_invariant: bool
             raise ValueError(f"attention_backend='triton' on device {device.type!r} needs Triton's "
                              "interpreter: set TRITON_INTERPRET=1 in the environment before "
                              "starting Python (it is slow; use 'torch' on CPU otherwise)")
-        from .triton_backend import TritonAttention
+        from workbench.attention.triton_backend import TritonAttention
         return TritonAttention()
     raise ValueError(f"attention_backend={name!r} is invalid: allowed values are "
                      f"'auto', {', '.join(repr(b) for b in BACKENDS)}")

@@ -4,7 +4,7 @@
     steps = online_softmax_steps(scores, v, block_n=8)       # one record per key tile
 
 - counting: FLOPs and HBM bytes of naive and tiled attention, and the tile map a causal kernel
-  walks (computed with the same bounds formula as `kernels.flash_attention._flash_attention_fwd`);
+  walks (computed with the same bounds formula as `workbench.kernels.flash_attention._flash_attention_fwd`);
 - the algorithms: the online softmax one key tile at a time, recording its state, and the split-KV
   partial results of Flash-Decoding with their merge (phase 2 of `kernels/paged_decode.py`).
 """

@@ -37,7 +37,7 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     block_tables: torch.Tensor | None = None  # (num_seqs, max_blocks) int64, for paged kernels
     block_size: int = 0
-    # "fp8"/"int8"/"int4": cache rows are codes + scale (quant/kv.py); a tuple: one per layer
+    # "fp8"/"int8"/"int4": cache rows are codes + scale (layers/kv_formats.py); a tuple: one per layer
     kv_cache_dtype: str | tuple[str, ...] = "auto"
     plan: object = None  # what the backend precomputes once per step (index tensors, masks)
     # every new token gets logits (decode, or a verification's k + 1): no prompt is being read

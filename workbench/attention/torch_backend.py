@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..models.ops import TorchOps
-from ..quant.kv import dequantize_rows, quantize_rows
-from .metadata import AttentionMetadata
+from workbench.layers.ops import TorchOps
+from workbench.layers.kv_formats import dequantize_rows, quantize_rows
+from workbench.attention.metadata import AttentionMetadata
 
 MAX_GROUPS = 4
 GROUP_OVERHEAD_TOKENS = 32  # a group costs a few extra ops; worth it only if it saves more padding

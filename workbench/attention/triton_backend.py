@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import torch
 
-from ..models.ops import TritonOps
-from .metadata import AttentionMetadata
-from .torch_backend import write_kv
+from workbench.attention.metadata import AttentionMetadata
+from workbench.attention.torch_backend import write_kv
+from workbench.kernels.flash_attention import flash_attention_varlen
+from workbench.kernels.paged_decode import choose_num_splits, paged_decode_attention
+from workbench.layers.ops import TritonOps
 
 
 class TritonAttention:
     name = "triton"
 
     def __init__(self):
-        from kernels.flash_attention import flash_attention_varlen
-        from kernels.paged_decode import choose_num_splits, paged_decode_attention
         self._prefill, self._decode = flash_attention_varlen, paged_decode_attention
         self._choose_splits = choose_num_splits
         self.ops = TritonOps()

@@ -2,6 +2,6 @@
 
 `python -m workbench.bench single-stream` (or `./run bench`). See docs/performance.md.
 """
-from .bandwidth import copy_bandwidth, decode_bytes_per_token
+from workbench.bench.bandwidth import copy_bandwidth, decode_bytes_per_token
 
 __all__ = ["copy_bandwidth", "decode_bytes_per_token"]

@@ -40,7 +40,22 @@ import platform
 
 import torch
 
-from . import kernels, offline_mixed, single_stream
+from workbench.bench import (
+    compress,
+    gemm_floor,
+    gpu,
+    kernels,
+    kvcomp,
+    memory,
+    offline_mixed,
+    parallel,
+    quant,
+    single_stream,
+    soak,
+    spec,
+    speed,
+    table,
+)
 
 WORKLOADS = {"single-stream": single_stream, "offline-mixed": offline_mixed, "kernels": kernels}
 
@@ -49,37 +64,26 @@ def main(argv=None) -> None:
     import sys
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["quant"]:
-        from . import quant
         return quant.main(argv[1:])
     if argv[:1] == ["parallel"]:
-        from . import parallel
         return parallel.main(argv[1:])
     if argv[:1] == ["spec"]:
-        from . import spec
         return spec.main(argv[1:])
     if argv[:1] == ["compress"]:
-        from . import compress
         return compress.main(argv[1:])
     if argv[:1] == ["kvcomp"]:
-        from . import kvcomp
         return kvcomp.main(argv[1:])
     if argv[:1] == ["floor"]:
-        from . import gemm_floor
         return gemm_floor.main(argv[1:])
     if argv[:1] == ["gpu"]:
-        from . import gpu
         return gpu.main(argv[1:])
     if argv[:1] == ["speed"]:
-        from . import speed
         return speed.main(argv[1:])
     if argv[:1] == ["memory"]:
-        from . import memory
         return memory.main(argv[1:])
     if argv[:1] == ["soak"]:
-        from . import soak
         return soak.main(argv[1:])
     if argv[:1] == ["table"]:
-        from . import table
         return table.main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m workbench.bench", description=__doc__)
     ap.add_argument("workload", nargs="?", default="single-stream", choices=sorted(WORKLOADS))

@@ -23,7 +23,7 @@ import statistics
 
 import torch
 
-from ..sampling_params import SamplingParams
+from workbench.sampling_params import SamplingParams
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int8pack_mm",
               "aten::_weight_int4pack_mm_for_cpu", "aten::_int_mm", "mkldnn", "onednn",

@@ -5,7 +5,7 @@ channels, whole layers and attention heads removed at two ratios), built in one 
 with the default dtype (`LLM()`'s):
 
 - quality on held-out CPython documentation against the dense engine: perplexity, mean KL(dense ||
-  variant), top-1 agreement (quant/evaluate.py, the quantization table's harness);
+  variant), top-1 agreement (experiments/quality.py, the quantization table's harness);
 - the decoder projections' bytes dense and in the best compressed form for their zeros (bitmask,
   or values plus indices for N:M; compress/pruning.py `storage_bytes`);
 - decode speed at batch 1 (a ~32-token prompt, 128 new tokens) and batch 16 (16 prompts, 64 new
@@ -39,18 +39,20 @@ from pathlib import Path
 
 import torch
 
-from ..compress.distill import StudentDistillConfig, distill_student
-from ..compress import structured
-from ..compress.pruning import (MASKED as MASK_METHODS, follows_pattern, sparsity_report,
-                                storage_bytes)
-from ..compress.semi_structured import dense_weight
-from ..llm import LLM
-from ..quant.calibration import heldout_windows
-from ..quant.evaluate import compare_many
-from ..quant.gptq import ORDER, get_module
-from ..quant.linear import Int4Linear, QuantLinear
-from ..sampling_params import SamplingParams
-from .single_stream import PROMPT
+from workbench.bench.machine import machine_info, measured_commit
+from workbench.bench.single_stream import PROMPT
+from workbench.compress import structured
+from workbench.compress.distill import StudentDistillConfig, distill_student
+from workbench.compress.losses import LOSSES
+from workbench.compress.pruning import MASKED as MASK_METHODS
+from workbench.compress.pruning import follows_pattern, sparsity_report, storage_bytes
+from workbench.compress.semi_structured import dense_weight
+from workbench.experiments.quality import compare_many
+from workbench.layers.linear import Int4Linear, QuantLinear
+from workbench.llm import LLM
+from workbench.quant.calibration import heldout_windows
+from workbench.quant.gptq import ORDER, get_module
+from workbench.sampling_params import SamplingParams
 
 VARIANTS = ("dense", "magnitude-50%", "wanda-50%", "sparsegpt-50%", "magnitude-2:4", "wanda-2:4",
             "sparsegpt-2:4", "channels-0.15", "channels-0.3", "layers-0.15", "layers-0.3",
@@ -65,7 +67,6 @@ def parse_variant(spec: str) -> dict:
     """'wanda-2:4' -> pruning='wanda', pattern '2:4'; 'sparsegpt-50%' -> sparsity 0.5;
     'layers-0.3' -> ratio 0.3; 'layers-0.3+kd' -> that, then distilled with loss 'kd';
     'dense' -> no pruning."""
-    from ..compress.losses import LOSSES
     if spec == "dense":
         return {}
     if spec in ("smoothquant", "smoothquant-static"):    # W8A8, per-token or static scales
@@ -247,7 +248,6 @@ def main(argv=None) -> None:
     import datetime
     import json
 
-    from .machine import machine_info, measured_commit
     ap = argparse.ArgumentParser(prog="python -m workbench.bench compress", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))

@@ -20,8 +20,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..models.registry import RANDOM_COMMON, RANDOM_PRESETS
-from .offline_mixed import make_requests
+from workbench.bench.machine import machine_info, measured_commit
+from workbench.bench.offline_mixed import make_requests
+from workbench.config import cpu_has_native_bf16
+from workbench.models.registry import RANDOM_COMMON, RANDOM_PRESETS
 
 
 def projection_shapes(cfg: dict) -> list[tuple[int, int]]:
@@ -48,7 +50,6 @@ def gemm_rate(cfg: dict, rows: int, packed: bool, repeats: int = 5,
               dtype: torch.dtype | None = None) -> float:
     """GFLOP/s of one pass over every layer's projections and the LM head at `rows` rows, in
     `dtype` (default: bf16 where the CPU has it natively, where oneDNN also prepacks it; else fp32)."""
-    from ..config import cpu_has_native_bf16
     dtype = dtype or (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
     torch.manual_seed(0)
     shapes = projection_shapes(cfg) * cfg["num_hidden_layers"]
@@ -115,7 +116,6 @@ def main(argv=None) -> None:
     ap.add_argument("--json", help="also write the results to this JSON file")
     args = ap.parse_args(argv)
     import datetime
-    from .machine import machine_info, measured_commit
     commit = measured_commit()
     result = run(decode_rows=args.decode_rows, prefill_rows=args.prefill_rows)
     result["date"] = datetime.datetime.now().isoformat(timespec="seconds")

@@ -21,12 +21,12 @@ import statistics
 
 import torch
 
-from ..llm import LLM
-from ..models.loader import resolve_checkpoint
-from .bandwidth import copy_bandwidth, decode_bytes_per_token
-from .offline_mixed import engine_run, hf_static_run, make_requests
-from .single_stream import engine_once
-from .speed import format_targets
+from workbench.llm import LLM
+from workbench.models.loader import resolve_checkpoint
+from workbench.bench.bandwidth import copy_bandwidth, decode_bytes_per_token
+from workbench.bench.offline_mixed import engine_run, hf_static_run, make_requests
+from workbench.bench.single_stream import engine_once
+from workbench.bench.speed import format_targets
 
 SHAPES = ("smollm2-135m", "llama-1b")
 TARGET_SHARE, TARGET_OFFLINE = 0.60, 10.0   # GPU targets: bandwidth share, x transformers

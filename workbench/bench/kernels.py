@@ -1,6 +1,6 @@
 """GPU benchmark of the Triton attention kernels (needs CUDA).
 
-FlashAttention forward: TFLOP/s of kernels.flash_attention against PyTorch's SDPA (which picks its
+FlashAttention forward: TFLOP/s of workbench.kernels.flash_attention against PyTorch's SDPA (which picks its
 own fastest backend: FlashAttention-2 or cuDNN on Hopper) in bf16, head_dim 128, causal and not,
 sequence 1k to 16k with batch * seq = 16k tokens and 16 heads (the FlashAttention-3 paper's setting,
 arXiv 2407.08608). FLOPs = 4 * batch * heads * seq^2 * head_dim, halved when causal.
@@ -22,7 +22,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .bandwidth import copy_bandwidth
+from workbench.bench.bandwidth import copy_bandwidth
+from workbench.kernels.flash_attention import flash_attention
+from workbench.kernels.paged_decode import paged_decode_attention
 
 FA_SEQ_LENS = (1024, 2048, 4096, 8192, 16384)
 FA_TOKENS, FA_HEADS, HEAD_DIM = 16384, 16, 128
@@ -45,7 +47,6 @@ def _bench(fn) -> float:
 
 def flash_attention_rows(dtype=torch.bfloat16, seq_lens=FA_SEQ_LENS, tokens=FA_TOKENS,
                          heads=FA_HEADS, head_dim=HEAD_DIM, device="cuda") -> list[dict]:
-    from kernels.flash_attention import flash_attention
     rows = []
     for seq in seq_lens:
         batch = max(1, tokens // seq)
@@ -69,7 +70,6 @@ def flash_attention_rows(dtype=torch.bfloat16, seq_lens=FA_SEQ_LENS, tokens=FA_T
 def paged_decode_rows(copy_gbps: float, dtype=torch.bfloat16, batches=DECODE_BATCHES,
                       contexts=DECODE_CONTEXTS, heads=DECODE_HEADS, kv_heads=DECODE_KV_HEADS,
                       head_dim=HEAD_DIM, device="cuda") -> list[dict]:
-    from kernels.paged_decode import paged_decode_attention
     elem = torch.empty((), dtype=dtype).element_size()
     rows = []
     for batch in batches:

@@ -1,6 +1,6 @@
 """The KV compression table: per-layer formats, cross-layer sharing and low-rank keys against the
 model-dtype cache, KV bytes per token and perplexity on held-out CPython documentation
-(kv/compress_eval.py).
+(experiments/kv_compression.py).
 
     python -m workbench.bench kvcomp [--windows 2] [--window-len 128] [--json out.json]
 """
@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import time
+
+from workbench.experiments.kv_compression import compression_table, format_table
+from workbench.llm import LLM
 
 
 def main(argv=None) -> None:
@@ -25,8 +28,6 @@ def main(argv=None) -> None:
     ap.add_argument("--groups", type=int, nargs="+", default=[2], help="sharing group sizes")
     ap.add_argument("--json", help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
-    from ..kv.compress_eval import compression_table, format_table
-    from ..llm import LLM
     llm = LLM(model=args.model, verbose=False, max_model_len=max(256, args.window_len))
     start = time.perf_counter()
     rows = compression_table(llm, args.windows, args.window_len, args.sensitivity_windows,

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import time
 
+from workbench.models.registry import embedded_gguf
+
 
 def load(threads: int, n_ctx: int = 1024):
     """A llama_cpp.Llama on the embedded GGUF with `threads` threads, or None if not installed."""
@@ -20,7 +22,6 @@ def load(threads: int, n_ctx: int = 1024):
         from llama_cpp import Llama
     except ImportError:
         return None
-    from ..models.registry import embedded_gguf
     return Llama(model_path=str(embedded_gguf()), n_ctx=n_ctx, n_threads=threads,
                  n_threads_batch=threads, n_batch=512, seed=0, verbose=False)
 

@@ -7,6 +7,9 @@ import subprocess
 
 import torch
 
+from workbench.config import cpu_has_native_bf16
+from workbench.kernels.cpu import best_isa, cpu_flags
+
 
 def measured_commit() -> str | None:
     """The commit of the repository holding this package ("-dirty" when tracked files are
@@ -42,8 +45,6 @@ def cpu_model() -> str:
 def machine_info(commit: str | None) -> dict:
     """Processor, cores, versions, the kernels/cpu build that ran, whether bf16 is native, any ISA
     forced lower than the CPU's (WORKBENCH_ISA and torch's own variables), and `commit`."""
-    from kernels.cpu import best_isa, cpu_flags
-    from ..config import cpu_has_native_bf16
     return {"processor": platform.processor() or platform.machine(), "cpu": cpu_model(),
             "cores": os.cpu_count(), "torch": torch.__version__,
             "python": platform.python_version(), "kernels_isa": best_isa(),

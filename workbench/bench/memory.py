@@ -21,11 +21,12 @@ import time
 
 import torch
 
-from ..kv.cla_distill import distill_sharing
-from ..kv.compress_eval import compression_table, format_table, sharing_map
-from ..kv.tier_bench import measure_tier_ttft
-from ..llm import LLM
-from ..offload.cost_model import format_rows, measure_offload_curve
+from workbench.bench.machine import machine_info, measured_commit
+from workbench.experiments.cla_distill import distill_sharing
+from workbench.experiments.kv_compression import compression_table, format_table, sharing_map
+from workbench.experiments.kv_tiers import measure_tier_ttft
+from workbench.experiments.offload_cost import format_rows, measure_offload_curve
+from workbench.llm import LLM
 
 
 def offload_section(model: str, batch_sizes: list[int], decode_tokens: int, seed: int) -> dict:
@@ -101,7 +102,6 @@ def compression_section(model: str, quick: bool, seed: int) -> dict:
 
 
 def main(argv=None) -> None:
-    from .machine import machine_info, measured_commit
     ap = argparse.ArgumentParser(prog="python -m workbench.bench memory", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")

@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from ..kv.block_manager import BlockManager
-from ..llm import LLM
-from ..sampling_params import SamplingParams
+from workbench.kv.block_manager import BlockManager
+from workbench.llm import LLM
+from workbench.sampling_params import SamplingParams
 
 
 def make_requests(num: int = 64, low: int = 16, high: int = 256, seed: int = 0,

@@ -20,9 +20,10 @@ import re
 import statistics
 import time
 
-from ..llm import LLM
-from ..quant.calibration import part_tokens
-from ..sampling_params import SamplingParams
+from workbench.llm import LLM
+from workbench.models.loader import load_tokenizer, resolve_checkpoint
+from workbench.quant.calibration import part_tokens
+from workbench.sampling_params import SamplingParams
 
 MOE = {"num_experts": 8, "top_k": 2}
 
@@ -68,7 +69,6 @@ def measure(layout: str, prompts, params, repeats: int, model: str) -> dict:
 
 
 def run(layouts, batch: int, new_tokens: int, repeats: int, model: str) -> dict:
-    from ..models.loader import load_tokenizer, resolve_checkpoint
     tok = load_tokenizer(resolve_checkpoint(model))
     ids = part_tokens(tok, "heldout")
     prompts = [ids[i * 64:i * 64 + 24 + 4 * i] for i in range(batch)]

@@ -5,7 +5,7 @@ cache in fp8 or int8), all built in one process from the same checkpoint:
 
 - quality on held-out CPython documentation (quant/calibration.py) against the bf16 engine:
   perplexity, mean KL(bf16 || variant) of the next-token distributions, top-1 agreement
-  (quant/evaluate.py);
+  (experiments/quality.py);
 - sizes: weight bytes stored, bytes a decode step reads, KV bytes per token;
 - the single-stream workload (a ~32-token prompt, 128 new tokens, greedy, ignore_eos, batch 1):
   decode tok/s (1 / time per output token), achieved GB/s = (weights read + KV of the mean context)
@@ -25,11 +25,11 @@ import time
 
 import torch
 
-from ..llm import LLM
-from ..quant.calibration import heldout_windows
-from ..quant.evaluate import compare_many, decode_read_bytes, kv_bytes_per_token, model_bytes
-from .bandwidth import copy_bandwidth, decode_bytes_per_token
-from .single_stream import NEW_TOKENS, PROMPT, engine_once
+from workbench.llm import LLM
+from workbench.quant.calibration import heldout_windows
+from workbench.experiments.quality import compare_many, decode_read_bytes, kv_bytes_per_token, model_bytes
+from workbench.bench.bandwidth import copy_bandwidth, decode_bytes_per_token
+from workbench.bench.single_stream import NEW_TOKENS, PROMPT, engine_once
 
 # None is the reference weights. "int4-g32" sets group_size=32, aligned with the Q4_1 blocks the
 # embedded weights come from; "-bf16head" keeps the LM head unquantized (quantize_lm_head=False).

@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from ..llm import LLM
-from ..sampling_params import SamplingParams
-from .bandwidth import copy_bandwidth, decode_bytes_per_token
+from workbench.llm import LLM
+from workbench.sampling_params import SamplingParams
+from workbench.bench.bandwidth import copy_bandwidth, decode_bytes_per_token
 
 PROMPT = ("The history of computing is a story of people who turned ideas about numbers into "
           "machines. Write a short overview of the most important steps, from the abacus to")

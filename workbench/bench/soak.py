@@ -22,7 +22,8 @@ import time
 
 import httpx
 
-from ..serve.soak import soak
+from workbench.bench.machine import machine_info, measured_commit
+from workbench.serve.soak import soak
 
 
 def _free_port() -> int:
@@ -39,7 +40,6 @@ def server_flags(args, key: str, access_log: str) -> list[str]:
 
 
 def main(argv=None) -> None:
-    from .machine import machine_info, measured_commit
     ap = argparse.ArgumentParser(prog="python -m workbench.bench soak", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")

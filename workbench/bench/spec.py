@@ -14,7 +14,7 @@
                                    [--batches 1 4 16] [--repeats 3] [--json out.json]
 
 The draft model for "draft_model" is --draft, or one distilled from the target once and kept in
-the cache (spec/distill.py; a few minutes the first time).
+the cache (compress/draft.py; a few minutes the first time).
 """
 from __future__ import annotations
 
@@ -25,10 +25,12 @@ import time
 
 import torch
 
-from ..llm import LLM
-from ..quant.calibration import part_tokens
-from ..sampling_params import SamplingParams
-from .single_stream import NEW_TOKENS, PROMPT
+from workbench.bench.single_stream import NEW_TOKENS, PROMPT
+from workbench.compress.draft import DistillConfig, distill_draft
+from workbench.llm import LLM
+from workbench.models.registry import cache_dir
+from workbench.quant.calibration import part_tokens
+from workbench.sampling_params import SamplingParams
 
 DRAFTERS = {
     "ngram": lambda k, draft: {"method": "ngram", "num_speculative_tokens": k},
@@ -68,8 +70,6 @@ def timed(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
 
 def default_draft(dtype: str) -> str:
     """A draft distilled from the target, made once and cached."""
-    from ..models.registry import cache_dir
-    from ..spec.distill import DistillConfig, distill_draft
     folder = cache_dir() / "drafts" / "smollm2-135m-distilled"
     if not (folder / "config.json").is_file():
         print("[bench spec] distilling a draft model from the target (once; a few minutes)")

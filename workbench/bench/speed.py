@@ -31,12 +31,16 @@ import statistics
 
 import torch
 
-from ..config import cpu_has_native_bf16
-from . import llamacpp
-from .anatomy import anatomy
-from .bandwidth import copy_bandwidth, decode_bytes_per_token
-from .offline_mixed import alternating_pairs, engine_run, make_requests
-from .single_stream import PROMPT, engine_once, hf_once
+from workbench.bench import llamacpp
+from workbench.bench.anatomy import anatomy
+from workbench.bench.bandwidth import copy_bandwidth, decode_bytes_per_token
+from workbench.bench.machine import machine_info, measured_commit
+from workbench.bench.offline_mixed import alternating_pairs, engine_run, make_requests
+from workbench.bench.single_stream import PROMPT, engine_once, hf_once
+from workbench.config import cpu_has_native_bf16
+from workbench.kernels.cpu import available
+from workbench.llm import LLM
+from workbench.models.loader import resolve_checkpoint
 
 ACT = "bfloat16" if cpu_has_native_bf16() else "float32"
 _NAME = {"bfloat16": "bf16", "float32": "fp32"}[ACT]
@@ -63,9 +67,7 @@ LLAMA_ROW = "llama.cpp Q4_1"
 def _build(rows: dict, model: str, threads: int, llama_cpp: bool = True):
     from transformers import AutoModelForCausalLM
 
-    from kernels.cpu import available
 
-    from ..llm import LLM
     runners = {}
     gemv, why_not = available()
     for label, kwargs in rows.items():
@@ -161,8 +163,6 @@ def offline(model: str = "smollm2-135m", num_requests: int = 64, pairs: int = 2)
     "transformers" keep the first pair's run records, with tok_s the median over pairs."""
     from transformers import AutoModelForCausalLM
 
-    from ..llm import LLM
-    from ..models.loader import resolve_checkpoint
     requests = make_requests(num_requests)
     engine_args = dict(model=model, device="cpu", verbose=False, max_model_len=512,
                        max_num_seqs=64, max_num_batched_tokens=1024)
@@ -280,7 +280,6 @@ def main(argv=None) -> None:
     import argparse
     import datetime
     import json
-    from .machine import machine_info, measured_commit
     ap = argparse.ArgumentParser(prog="python -m workbench.bench speed", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3, help="rounds of the ladder (default 3)")

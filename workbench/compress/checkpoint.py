@@ -27,9 +27,10 @@ from pathlib import Path
 
 import torch
 
-from ..models.llama import MLP, Attention, LlamaModel
-from ..quant.linear import QuantLinear
-from .semi_structured import dense_weight
+from workbench.compress.semi_structured import dense_weight
+from workbench.layers.linear import QuantLinear
+from workbench.models.llama import MLP, Attention, LlamaModel
+from workbench.models.loader import read_args
 
 MANIFEST = "pruning.json"
 
@@ -84,7 +85,6 @@ def load_pruned(folder: Path, dtype: torch.dtype, device: torch.device,
                 max_positions: int | None = None) -> tuple[LlamaModel, dict]:
     from safetensors.torch import load_file
 
-    from ..models.loader import read_args
     folder = Path(folder)
     manifest = json.loads((folder / MANIFEST).read_text())
     if manifest.get("format") != "workbench-pruned" or manifest.get("version") != 1:

@@ -28,8 +28,15 @@ from pathlib import Path
 
 import torch
 
-from . import losses as L
-from .train_forward import hidden_states, sample
+from workbench.compress import losses as L
+from workbench.compress.checkpoint import is_pruned_checkpoint, load_pruned, save_student
+from workbench.compress.draft import target_generations
+from workbench.compress.train_forward import hidden_states, sample
+from workbench.compress.trainer import LoopConfig, train
+from workbench.config import cpu_has_native_bf16
+from workbench.models.loader import load_model, resolve_checkpoint
+from workbench.quant.calibration import calibration_windows, heldout_windows
+from workbench.quant.forward import prefill_logprobs
 
 
 @dataclass
@@ -90,7 +97,6 @@ def _invalid(name, value, allowed: str):
 
 @functools.lru_cache(maxsize=None)
 def _autocast_dtype():
-    from ..config import cpu_has_native_bf16
     return torch.bfloat16 if cpu_has_native_bf16() else None
 
 
@@ -105,15 +111,12 @@ def student_logits(student, ids: torch.Tensor) -> torch.Tensor:
 def teacher_logprobs(teacher_llm, ids: torch.Tensor) -> torch.Tensor:
     """(B, T, vocab) fp32 log-probs of the teacher, through the engine's own forward pass (the one
     evaluation uses), one sequence at a time."""
-    from ..quant.forward import prefill_logprobs
     return torch.stack([prefill_logprobs(teacher_llm.engine.model, row.tolist()).float().cpu()
                         for row in ids]).clone()
 
 
 def load_student(folder) -> tuple[torch.nn.Module, dict, Path]:
     """(fp32 LlamaModel on the CPU with gradients, its pruning manifest or {}, its folder)."""
-    from ..models.loader import load_model, resolve_checkpoint
-    from .checkpoint import is_pruned_checkpoint, load_pruned
     folder = Path(folder) if Path(folder).is_dir() else resolve_checkpoint(str(folder))
     if is_pruned_checkpoint(folder):
         model, manifest = load_pruned(folder, torch.float32, torch.device("cpu"))
@@ -126,8 +129,6 @@ def load_student(folder) -> tuple[torch.nn.Module, dict, Path]:
 def build_data(teacher_llm, cfg: StudentDistillConfig) -> dict:
     """Token tensors the loss draws batches from (seeded, from the calibration part of the text)
     and the held-out windows with the teacher's log-probs on them."""
-    from ..quant.calibration import calibration_windows, heldout_windows
-    from ..spec.distill import target_generations
     tok = teacher_llm.get_tokenizer()
     data = {}
     if cfg.loss == "kd":
@@ -193,8 +194,6 @@ def distill_student(student_dir, teacher_llm, out_dir, config: StudentDistillCon
     """Train the student in `student_dir` against `teacher_llm` (see the module docstring) and
     save it to `out_dir`; with `resume`, continue from `out_dir`'s training checkpoint (written
     every `checkpoint_every` steps, removed once the student is saved)."""
-    from .checkpoint import save_student
-    from .trainer import LoopConfig, train
     cfg = StudentDistillConfig() if config is None else config
     if not isinstance(cfg, StudentDistillConfig):
         _invalid("config", cfg, "pass a StudentDistillConfig or None")
@@ -206,10 +205,10 @@ def distill_student(student_dir, teacher_llm, out_dir, config: StudentDistillCon
                          f"teacher {t_args.vocab_size}: distillation compares their distributions "
                          "token by token, so they must share the tokenizer")
     need = max(cfg.seq_len, cfg.prompt_len + cfg.gen_len)
-    if need > teacher_llm.engine.config.max_model_len:
+    if need > teacher_llm.engine.plan.max_model_len:
         _invalid("gen_len" if cfg.loss != "kd" else "seq_len", need,
                  f"sequences must fit the teacher's max_model_len="
-                 f"{teacher_llm.engine.config.max_model_len}")
+                 f"{teacher_llm.engine.plan.max_model_len}")
     log = functools.partial(print, flush=True) if progress else (lambda *a, **k: None)
     data = build_data(teacher_llm, cfg)
     log(f"[distill] {cfg.loss}: {len(data['items'])} training sequences, "

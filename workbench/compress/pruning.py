@@ -31,149 +31,18 @@ counts them and `storage_bytes` gives what a compressed form would take.
 from __future__ import annotations
 
 import math
-import re
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..models.llama import LlamaModel
-from ..quant.formats import INT4_MAX, Int4Weight, check_group_size, int4_codes, pack_int4
-from ..quant.gptq import (ORDER, LayerwiseRunner, damped_hessian, get_module, hessian_accumulator,
+from workbench.config.pruning import CALIBRATED, MASKED, METHODS, PruneConfig  # noqa: F401 (the methods' names)
+from workbench.models.llama import LlamaModel
+from workbench.layers.formats import INT4_MAX, Int4Weight, check_group_size, int4_codes, pack_int4
+from workbench.quant.gptq import (ORDER, LayerwiseRunner, damped_hessian, get_module, hessian_accumulator,
                           single_thread, upper_inverse_factor)
-from ..quant.linear import Int4Linear
-
-METHODS = ("magnitude", "wanda", "sparsegpt", "channels", "layers", "heads")  # last 3: structured
-CALIBRATED = ("wanda", "sparsegpt", "channels", "layers", "heads")
-MASKED = ("magnitude", "wanda", "sparsegpt")
-
-
-@dataclass
-class PruneConfig:
-    """Every option of every method; `pruning_config` sets any of them by name."""
-    method: str
-    sparsity: float = 0.5               # unstructured: the fraction zeroed; N:M: 1 - N/M
-    pattern: str = "unstructured"       # or "N:M", such as "2:4"
-    num_calibration_windows: int = 32   # wanda, sparsegpt
-    calibration_window_len: int = 256
-    sparsegpt_block_size: int = 128     # columns whose mask is chosen together
-    sparsegpt_percdamp: float = 0.01    # damping added to H's diagonal, times its mean
-    ratio: float = 0.25                 # channels, layers, heads: the fraction of them removed
-    semi_structured: bool = False       # 2:4 only: run the projections on sparse tensor cores
-                                        # (CUDA, compute capability >= 8.0; semi_structured.py)
-
-    @property
-    def n_m(self) -> tuple[int, int] | None:
-        """(N, M) of an N:M pattern, None for unstructured."""
-        if self.pattern == "unstructured":
-            return None
-        n, m = self.pattern.split(":")
-        return int(n), int(m)
-
-    @classmethod
-    def from_args(cls, method, options: dict | None) -> "PruneConfig":
-        if method not in METHODS:
-            raise ValueError(f"pruning={method!r} is invalid: allowed are None, "
-                             + ", ".join(repr(m) for m in METHODS))
-        options = dict(options or {})
-        known = set(cls.__dataclass_fields__) - {"method"}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(f"pruning_config has unknown key(s) {unknown}: allowed are "
-                             f"{sorted(known)}")
-        wrong = sorted(set(options) & ({"sparsity", "pattern"} if method not in MASKED
-                                       else {"ratio"}))
-        if wrong:
-            kind = "structured" if method not in MASKED else "mask"
-            raise ValueError(f"pruning_config key(s) {wrong} do not apply to pruning={method!r}, "
-                             f"a {kind} method: " + ("use 'ratio'" if kind == "structured" else
-                                                     "use 'sparsity' and 'pattern'"))
-        ratio = options.get("ratio", 0.25)
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
-            raise ValueError(f"pruning_config['ratio']={ratio!r} is invalid: it must be a number "
-                             "in [0, 1), the fraction of layers, channels or query heads removed")
-        pattern = options.get("pattern", "unstructured")
-        match = re.fullmatch(r"(\d+):(\d+)", pattern) if isinstance(pattern, str) else None
-        if pattern != "unstructured" and not (match and 0 < int(match[1]) < int(match[2]) <= 64):
-            raise ValueError(f"pruning_config['pattern']={pattern!r} is invalid: allowed are "
-                             "'unstructured' or 'N:M' with 0 < N < M <= 64, such as '2:4'")
-        sparsity = options.get("sparsity", None)
-        if sparsity is not None and (isinstance(sparsity, bool)
-                                     or not isinstance(sparsity, (int, float))
-                                     or not 0 <= sparsity < 1):
-            raise ValueError(f"pruning_config['sparsity']={sparsity!r} is invalid: it must be a "
-                             "number in [0, 1), the fraction of weights zeroed")
-        if match:
-            implied = 1 - int(match[1]) / int(match[2])
-            if sparsity is not None and not math.isclose(sparsity, implied):
-                raise ValueError(f"pruning_config['sparsity']={sparsity!r} contradicts pattern "
-                                 f"{pattern!r}, which zeroes {implied:g}: leave sparsity out")
-            options["sparsity"] = implied
-        for key in ("num_calibration_windows", "calibration_window_len", "sparsegpt_block_size"):
-            value = options.get(key, 1)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"pruning_config[{key!r}]={value!r} is invalid: it must be a "
-                                 "positive integer")
-        damp = options.get("sparsegpt_percdamp", 0.01)
-        if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not 0 < damp <= 1:
-            raise ValueError(f"pruning_config['sparsegpt_percdamp']={damp!r} is invalid: it must "
-                             "be a number in (0, 1]")
-        semi = options.get("semi_structured", False)
-        if not isinstance(semi, bool):
-            raise ValueError(f"pruning_config['semi_structured']={semi!r} is invalid: it must be "
-                             "True or False")
-        if semi and (method not in MASKED or pattern != "2:4"):
-            raise ValueError("pruning_config['semi_structured']=True is invalid with "
-                             f"pruning={method!r} and pattern {pattern!r}: sparse tensor cores "
-                             "read only the 2:4 pattern of a mask method ('pattern': '2:4')")
-        cfg = cls(method=method, **options)
-        if cfg.n_m is not None and cfg.sparsegpt_block_size % cfg.n_m[1]:
-            raise ValueError(f"pruning_config['sparsegpt_block_size']={cfg.sparsegpt_block_size} "
-                             f"is invalid with pattern {pattern!r}: it must be a multiple of "
-                             f"{cfg.n_m[1]}")
-        return cfg
-
-    def describe(self) -> str:
-        if self.method not in MASKED:
-            return f"{self.method} {self.ratio:.0%}"
-        amount = self.pattern if self.n_m else f"{self.sparsity:.0%} unstructured"
-        return f"{self.method} {amount}"
-
-
-# ----------------------------------------------------------------------------- masks
-def keep_mask(score: torch.Tensor, sparsity: float, n_m: tuple[int, int] | None) -> torch.Tensor:
-    """The (N, K) bool mask of weights kept: per row, the round(sparsity * K) lowest scores
-    dropped (unstructured), or the N highest of every M consecutive scores kept (N:M)."""
-    rows, k = score.shape
-    if n_m is None:
-        mask = torch.ones_like(score, dtype=torch.bool)
-        drop = round(sparsity * k)
-        if drop:
-            mask.scatter_(1, score.topk(drop, dim=1, largest=False).indices, False)
-        return mask
-    n, m = n_m
-    if k % m:
-        raise ValueError(f"pattern '{n}:{m}' needs in_features divisible by {m}; this layer has "
-                         f"{k}")
-    groups = score.reshape(rows, k // m, m)
-    mask = torch.zeros_like(groups, dtype=torch.bool)
-    mask.scatter_(2, groups.topk(n, dim=2).indices, True)
-    return mask.reshape(rows, k)
-
-
-def wanda_score(weight: torch.Tensor, input_sq_sums: torch.Tensor) -> torch.Tensor:
-    """|W_ij| * ||X_j||_2, from the per-column sums of squared inputs (K,)."""
-    return weight.detach().float().abs() * input_sq_sums.float().sqrt()
-
-
-def squared_sums_accumulator(k: int):
-    """(sums, add): add(x) accumulates the column sums of x^2 of (tokens, K) inputs (float64)."""
-    sums = torch.zeros(k, dtype=torch.float64)
-
-    def add(x: torch.Tensor) -> None:
-        sums.add_(x.float().pow(2).sum(0).double())
-    return sums, add
-
+from workbench.layers.linear import Int4Linear
+from workbench.compress.masks import follows_pattern, keep_mask, squared_sums_accumulator, wanda_score
+from workbench.compress import semi_structured, structured
 
 @torch.no_grad()
 def sparsegpt_prune_weight(weight: torch.Tensor, hessian: torch.Tensor, sparsity: float,
@@ -302,8 +171,7 @@ def prune_model(model: LlamaModel, cfg: PruneConfig,
         raise ValueError(f"pruning={cfg.method!r} does not quantize while pruning: only "
                          "'sparsegpt' walks the columns as GPTQ does")
     if cfg.method not in MASKED:
-        from .structured import prune_structured
-        prune_structured(model, cfg.method, cfg.ratio, calibration)
+        structured.prune_structured(model, cfg.method, cfg.ratio, calibration)
         return
     n_m = cfg.n_m
     if cfg.method == "magnitude":
@@ -350,22 +218,13 @@ def prune_model(model: LlamaModel, cfg: PruneConfig,
 def sparsity_report(model: LlamaModel) -> dict[str, float]:
     """Fraction of exact zeros in each decoder projection ('layers.3.mlp.down_proj': 0.5),
     quantized ones as they dequantize."""
-    from .semi_structured import dense_weight      # it imports this module
     out = {}
     for i, layer in enumerate(model.layers):
         for path in ORDER:
             m = get_module(layer, path)[2]
-            w = m.dequantize(torch.float32) if hasattr(m, "dequantize") else dense_weight(m.weight)
+            w = m.dequantize(torch.float32) if hasattr(m, "dequantize") else semi_structured.dense_weight(m.weight)
             out[f"layers.{i}.{path}"] = (w == 0).float().mean().item()
     return out
-
-
-def follows_pattern(weight: torch.Tensor, pattern: str) -> bool:
-    """Whether every group of M consecutive weights of every row of `weight` holds at most N
-    nonzeros, for pattern 'N:M' (GPTQ after a mask, for one, fills the zeros in)."""
-    n, m = map(int, pattern.split(":"))
-    rows, k = weight.shape
-    return k % m == 0 and int((weight != 0).reshape(rows, k // m, m).sum(-1).max()) <= n
 
 
 def storage_bytes(weight: torch.Tensor, pattern: str = "unstructured") -> dict[str, int]:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..quant.gptq import ORDER, get_module
-from .pruning import follows_pattern
+from workbench.quant.gptq import ORDER, get_module
+from workbench.compress.masks import follows_pattern
 
 MIN_CAPABILITY = (8, 0)
 DTYPES = (torch.float16, torch.bfloat16)

@@ -67,9 +67,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models.llama import LlamaModel
-from ..quant.gptq import LayerwiseRunner
-from .pruning import squared_sums_accumulator
+from workbench.models.llama import LlamaModel
+from workbench.quant.gptq import LayerwiseRunner
+from workbench.compress.masks import squared_sums_accumulator
 
 STRUCTURED = ("channels", "layers", "heads")
 

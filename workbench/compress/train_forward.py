@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import rms_norm_reference
-from ..models.llama import LlamaModel, apply_rotary
+from workbench.kernels.reference import rms_norm_reference
+from workbench.layers.rotary import apply_rotary
+from workbench.models.llama import LlamaModel
 
 
 def hidden_states(model: LlamaModel, ids: torch.Tensor,
@@ -24,7 +25,7 @@ def hidden_states(model: LlamaModel, ids: torch.Tensor,
     """Final hidden states (B, T, hidden) of `ids` (B, T). With `cache` (a list, empty at the
     first call) each layer's K and V are kept there and `ids` continue the cached positions.
     share_from: cross-layer KV sharing, layer i attending to layer share_from[i]'s K and V
-    (kv/compress_eval.py's sharing_map); not with `cache`."""
+    (experiments/kv_compression.py's sharing_map); not with `cache`."""
     if share_from is not None and cache is not None:
         raise ValueError("share_from with a decode cache is invalid: sharing is for dense batches")
     kept = {}

@@ -1,5 +1,5 @@
 """The one training loop of the workbench: students distilled from a teacher (compress/distill.py)
-and speculative decoding's draft model (spec/distill.py) both run it.
+and speculative decoding's draft model (compress/draft.py) both run it.
 
     batches (seeded permutations of the items) -> batch_loss(indices, step) -> AdamW step
       (gradients clipped to norm 1; linear warm-up over 5% of the steps, then cosine decay to

@@ -5,3 +5,7 @@
     viz/         the chapters' plotly figures and widgets (figures only)
     labs/        the exercises' checks and the grader (python -m workbench.course.labs grade)
 """
+from workbench.extras import require
+
+for _module in ("plotly", "ipywidgets"):      # the 'notebooks' extra: the chapters' figures
+    require(_module, "workbench.course (the chapters' figures and widgets)")

@@ -35,9 +35,9 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..memory import PeakMemory
-from .results import format_value, records_in
-from .viz.widgets import STATIC_ENV
+from workbench.memory import PeakMemory
+from workbench.course.results import format_value, records_in
+from workbench.course.viz.widgets import STATIC_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"

@@ -24,8 +24,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from ..sampling_params import SamplingParams
-from .sequence import Sequence, SequenceStatus
+from workbench.sampling_params import SamplingParams
+from workbench.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass
@@ -96,10 +96,10 @@ def beam_search(engine, prompts: list, params: BeamSearchParams) -> list[BeamSea
                         logprobs=keep, num_speculative_tokens=0)
     for p in prompts:                  # everything is checked before anything is queued
         _, ids = engine.tokenize(p)
-        if len(ids) + params.max_tokens > engine.config.max_model_len:
+        if len(ids) + params.max_tokens > engine.plan.max_model_len:
             raise ValueError(f"max_tokens={params.max_tokens} is invalid for a prompt of "
                              f"{len(ids)} tokens: together they exceed max_model_len="
-                             f"{engine.config.max_model_len}")
+                             f"{engine.plan.max_model_len}")
     searches: list[_Search] = []
     try:
         for p in prompts:

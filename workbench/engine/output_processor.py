@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import time
 
-from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from .sequence import Sequence, SequenceStatus
+from workbench.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from workbench.engine.sequence import Sequence, SequenceStatus
+from workbench.sample.sampler import top_logprobs
 
 
 class OutputProcessor:
@@ -58,6 +59,24 @@ class OutputProcessor:
             self.finish(seq, "stop", token_id)
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             self.finish(seq, "length", None)
+
+    def append_tokens(self, seq: Sequence, tokens: list[int], infos: list) -> None:
+        """Append one step's tokens (several after an accepted draft) until one finishes the
+        sequence; a token its grammar refuses ends it with "abort" (the mask forbids it)."""
+        for token, info in zip(tokens, infos):
+            if seq.grammar is not None and not seq.grammar.accept(token):
+                self.finish(seq, "abort", None)
+                return
+            self.append_token(seq, token, info)
+            if seq.is_finished:
+                return
+
+    def extend_prompt_logprobs(self, seq: Sequence, first: int, logprobs) -> None:
+        """The prompt logprobs of positions first + 1, ... from a step's log-softmax rows."""
+        for k in range(logprobs.shape[0]):
+            token = seq.prompt_token_ids[first + k + 1]
+            info = top_logprobs(logprobs[k], token, seq.params.prompt_logprobs)
+            seq.prompt_logprobs.append(self.logprob_dict(token, info))
 
     def _check_stop_strings(self, seq: Sequence, previous_len: int) -> bool:
         stops = seq.params.stop_list

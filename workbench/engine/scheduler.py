@@ -41,9 +41,9 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
-from ..config import EngineConfig
-from ..kv.block_manager import BlockManager
-from .sequence import Sequence, SequenceStatus
+from workbench.config import EnginePlan
+from workbench.kv.block_manager import BlockManager
+from workbench.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass
@@ -62,26 +62,37 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, blocks: BlockManager):
-        self.config, self.blocks = config, blocks
+    def __init__(self, plan: EnginePlan, blocks: BlockManager, max_num_seqs: int | None = None):
+        """max_num_seqs: this scheduler's share when pipeline micro-batches split the plan's."""
+        config = plan.config
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs or config.max_num_seqs
+        self.max_num_batched_tokens = plan.max_num_batched_tokens
+        self.max_model_len = plan.max_model_len
+        self.block_size = config.block_size
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.tpot_slo = config.tpot_slo
+        self.batch_invariant = config.batch_invariant
+        self.preemption_mode = config.preemption_mode
+        self.spec = config.spec_config
         self.waiting: list[Sequence] = []   # sorted by sort_key; holds WAITING and SWAPPED
         self.running: list[Sequence] = []
         self.ended: list[Sequence] = []     # finished by the scheduler itself ("length")
         # With pipeline parallelism several schedulers share one block pool; a sequence that does
         # not fit while another scheduler's sequences hold blocks must wait, not end.
         self.others_hold_blocks = lambda: False
-        self.prefill_budget = config.max_num_batched_tokens    # adapted with tpot_slo
+        self.prefill_budget = self.max_num_batched_tokens    # adapted with tpot_slo
         self.decode_step_s: float | None = None    # running estimate: a decode-only step
         self.prefill_token_s: float | None = None  # running estimate: one more prefill token
 
     def observe_step(self, seconds: float, num_decode_tokens: int,
                      num_prefill_tokens: int = 0) -> None:
         """Adapt the prefill budget to the last step's time (only with tpot_slo)."""
-        slo, top = self.config.tpot_slo, self.config.max_num_batched_tokens
+        slo, top = self.tpot_slo, self.max_num_batched_tokens
         if slo is None:
             return
         self._estimate(seconds, num_decode_tokens, num_prefill_tokens)
-        floor = max(self.config.block_size, top // 8)   # a chunk of 16 would starve the prompts
+        floor = max(self.block_size, top // 8)   # a chunk of 16 would starve the prompts
         if self.decode_step_s is not None and self.prefill_token_s:
             budget = (slo - self.decode_step_s) / self.prefill_token_s
             self.prefill_budget = int(min(top, max(floor, budget)))
@@ -120,11 +131,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the decision
     def schedule(self) -> ScheduledBatch:
-        budget = self.config.max_num_batched_tokens
+        budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [], 0, 0)
         self.running.sort(key=lambda s: s.sort_key)
         decoding = any(s.num_uncomputed_tokens == 1 for s in self.running)
-        prefill_left = self.prefill_budget if self.config.tpot_slo and decoding else budget
+        prefill_left = self.prefill_budget if self.tpot_slo and decoding else budget
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -159,27 +170,27 @@ class Scheduler:
     def _tokens_for(self, seq: Sequence, budget: int, lookahead: bool = True) -> int:
         n = seq.num_uncomputed_tokens
         seq.num_lookahead = 0
-        if self.config.batch_invariant and n > 1:
+        if self.batch_invariant and n > 1:
             # Chunks end at multiples of the step budget from the prompt's start, whatever else
             # shares the step: a chunk that does not fit waits, rather than being cut elsewhere.
-            chunk = self.config.max_num_batched_tokens
+            chunk = self.max_num_batched_tokens
             n = min(n, chunk - seq.num_computed_tokens % chunk)
             return n if n <= budget else 0
         if n <= budget:
             if lookahead and n == 1 and seq.output_token_ids:
                 seq.num_lookahead = self._lookahead(seq, budget - 1)
             return n + seq.num_lookahead
-        return budget if self.config.enable_chunked_prefill else 0
+        return budget if self.enable_chunked_prefill else 0
 
     def _lookahead(self, seq: Sequence, spare_budget: int) -> int:
         """Drafts for a decoding sequence: its k, within the budget; the step emits at most k + 1
         tokens, which must fit the context and the request's max_tokens."""
-        if self.config.spec_config is None or seq.params.uses_history or seq.params.best_of > 1:
+        if self.spec is None or seq.params.uses_history or seq.params.best_of > 1:
             return 0       # penalties and bans change with every token; samples share no drafts
         k = seq.params.num_speculative_tokens
         if k is None:
-            k = self.config.spec_config.num_speculative_tokens
-        room = min(self.config.max_model_len - seq.num_tokens,
+            k = self.spec.num_speculative_tokens
+        room = min(self.max_model_len - seq.num_tokens,
                    seq.params.max_tokens - len(seq.output_token_ids)) - 1
         return max(0, min(k, spare_budget, room))
 
@@ -193,10 +204,10 @@ class Scheduler:
             batch.num_prefill_tokens += n
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.members and not seq.forked and \
-                    len(self.running) + len(seq.members) > self.config.max_num_seqs:
+                    len(self.running) + len(seq.members) > self.max_num_seqs:
                 break                   # its samples join it at its first token: keep them slots
             if seq.status == SequenceStatus.SWAPPED:
                 n = self._tokens_for(seq, budget, lookahead=False)
@@ -238,7 +249,7 @@ class Scheduler:
         """Take the sequence's blocks away; it waits at the head of its priority class."""
         seq.num_preemptions += 1
         seq.num_lookahead = 0
-        if self.config.preemption_mode == "swap" and self.blocks.can_swap_out(seq.request_id):
+        if self.preemption_mode == "swap" and self.blocks.can_swap_out(seq.request_id):
             self.blocks.swap_out(seq.request_id)
             seq.status = SequenceStatus.SWAPPED
         else:  # recompute: forget the K/V; prompt and generated tokens are prefilled again

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..sampling_params import SamplingParams
+from workbench.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

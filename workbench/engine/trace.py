@@ -57,7 +57,7 @@ class StepRecord:
     stage_spans: list[tuple[float, float]] = field(default_factory=list)
     micro_batch: int = 0
     num_in_flight: int = 1
-    # With EngineConfig.record_block_tables: request id -> its block ids after this step.
+    # With record_block_tables=True: request id -> its block ids after this step.
     block_tables: dict[str, list[int]] | None = None
     # Prefill tokens the next step may take (max_num_batched_tokens unless tpot_slo adapts it).
     prefill_budget: int | None = None
@@ -95,3 +95,30 @@ class StepRecord:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def record_step(number: int, batch, ops, schedulers, blocks, sampled, finished, spec, spec_tokens,
+                phases: dict[str, float], comm: dict, with_tables: bool,
+                prefill_budget: int | None) -> StepRecord:
+    """The StepRecord of a completed step. `phases`: seconds per phase (schedule_s, draft_s,
+    prepare_s, forward_s, sample_s, postprocess_s, total_s); `comm`: a parallel engine's
+    collectives and stage spans."""
+    pool = blocks.pool
+    return StepRecord(
+        step=number, num_seqs=len(batch.seqs), num_prefill_tokens=batch.num_prefill_tokens,
+        num_decode_tokens=batch.num_decode_tokens,
+        num_waiting=sum(len(s.waiting) for s in schedulers),
+        num_running=sum(len(s.running) for s in schedulers),
+        kv_tokens_used=sum(q.num_computed_tokens for s in schedulers for q in s.running),
+        blocks_used=pool.num_used, blocks_cached=pool.num_cached, blocks_free=pool.num_free,
+        blocks_total=pool.num_blocks, block_size=blocks.block_size,
+        num_preempted=len(batch.preempted), blocks_swapped_out=len(ops.swap_out),
+        blocks_swapped_in=len(ops.swap_in), blocks_copied=len(ops.copy),
+        prefix_hit_tokens=batch.prefix_hit_tokens,
+        scheduled=[(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)],
+        preempted=[s.request_id for s in batch.preempted], sampled=[s.request_id for s in sampled],
+        finished=[s.request_id for s in finished],
+        block_tables={r: list(t) for r, t in blocks.tables.items()} if with_tables else None,
+        spec=spec, spec_tokens=spec_tokens, num_draft_tokens=sum(d for _, d, _ in spec),
+        num_accepted_tokens=sum(a for _, _, a in spec), prefill_budget=prefill_budget,
+        **phases, **comm)

@@ -23,8 +23,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from .block_pool import BlockPool
-from .tiers import KVTiers, TierHit
+from workbench.kv.block_pool import BlockPool
+from workbench.kv.tiers import KVTiers, TierHit
 
 
 def chain_hash(parent: bytes | None, tokens: list[int]) -> bytes:

@@ -27,6 +27,16 @@ def block_path(directory: Path, block_hash: bytes) -> Path:
     return directory / (block_hash.hex() + SUFFIX)
 
 
+def manifest(model: str, quantization, pruning, dtype, kv_cache_dtype, block_size: int,
+             args) -> dict:
+    """What the block files depend on: an engine with another manifest cannot reuse them."""
+    return {"format_version": FORMAT_VERSION, "model": str(model), "quantization": quantization,
+            "pruning": pruning, "dtype": str(dtype).removeprefix("torch."),
+            "kv_cache_dtype": kv_cache_dtype, "block_size": block_size,
+            "num_layers": args.num_hidden_layers, "num_kv_heads": args.num_key_value_heads,
+            "head_dim": args.head_dim}
+
+
 def open_directory(directory: Path, manifest: dict) -> list[tuple[bytes, int]]:
     """Prepare `directory` for an engine described by `manifest`; return the block files it may
     reuse as (hash, bytes), oldest first. Files written under another manifest are removed, after

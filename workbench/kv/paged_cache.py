@@ -2,7 +2,7 @@
 
 Per layer, K and V are each one flat tensor of `num_blocks * block_size` slots of shape
 (kv_heads, head_dim), or, with kv_cache_dtype "fp8"/"int8"/"int4", (kv_heads, row bytes) of codes
-and a scale (quant/kv.py). A per-layer plan (quant/kv_plan.py) gives each layer its own format.
+and a scale (layers/kv_formats.py). A per-layer plan (config/kv_plan.py) gives each layer its own format.
 Block b owns slots [b * block_size, (b + 1) * block_size). Attention backends see only slot numbers
 (or block tables), never the allocator. A second, smaller set of tensors in CPU memory receives
 swapped-out blocks. With tiers, `tier_store` (tier_store.py) holds the CPU and disk
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from ..models.llama import LlamaArgs
-from ..quant.kv import is_quantized, row_bytes
-from ..quant.kv_plan import resolve
-from .block_manager import BlockOps
+from workbench.models.llama import LlamaArgs
+from workbench.layers.kv_formats import is_quantized, row_bytes
+from workbench.config.kv_plan import resolve
+from workbench.kv.block_manager import BlockOps
 
 
 def layer_formats(args: LlamaArgs, kv_cache_dtype) -> tuple[str, ...]:
@@ -46,7 +46,7 @@ class PagedKVCache:
         pin = device.type == "cuda"
         self.kv_caches, self.cpu_caches = [], []
         for fmt in self.layer_kv_dtypes:
-            # quantized rows are codes + scale as bytes (quant/kv.py)
+            # quantized rows are codes + scale as bytes (layers/kv_formats.py)
             t_dtype = torch.uint8 if is_quantized(fmt) else dtype
             shape = layer_shape(args, num_blocks * block_size, fmt)
             # torch.zeros, not empty: memory is committed now, so what the engine reports is real.

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from . import disk_tier
+from workbench.kv import disk_tier
 
 
 class TierStore:

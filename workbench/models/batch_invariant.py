@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..quant.linear import QuantLinear
+from workbench.layers.linear import QuantLinear
 
 MIN_ROWS = 16
 

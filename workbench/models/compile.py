@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .ops import TorchOps
+from workbench.config import onednn_bf16_prepack_reason
+from workbench.layers.ops import TorchOps
 
 
 @dataclass
@@ -186,7 +187,6 @@ class PrepackedLMHead:
         """A plain (unquantized) bf16 head on a CPU whose torch has oneDNN. (fp32 heads stay on
         aten: there torch's own GEMM differs from oneDNN's in rounding at some row counts, and
         the gain was measured for bf16 only.)"""
-        from ..config import onednn_bf16_prepack_reason
         w = getattr(model.lm_head, "weight", None)
         return (isinstance(model.lm_head, torch.nn.Linear) and w is not None
                 and w.device.type == "cpu" and w.dtype == torch.bfloat16

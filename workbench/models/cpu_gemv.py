@@ -5,7 +5,7 @@ forward differs), for bf16 or fp32 activations:
 - each bias-free bf16 or fp32 `nn.Linear` (the projections, the LM head) to `GemvLinear`;
 - each INT8 weight-only layer (`Int8Linear`: INT8 models, and the LM head of every quantized
   model) to `Int8GemvLinear`: 26 vs 17 GB/s for aten's `_weight_int8pack_mm` on SmolLM2's head
-  at batch 1 (2-core AMD EPYC; `python -m kernels.cpu.bench --formats int8,int4`);
+  at batch 1 (2-core AMD EPYC; `python -m workbench.bench.cpu_gemv --formats int8,int4`);
 - each SmoothQuant layer (`W8A8Linear`) to `W8A8GemvLinear`: the INT8 activations go through the
   INT8 weight kernel as exact fp32 integers, 12-21x faster than torch._int_mm (2-core AVX2 EPYC);
 - each INT4 layer (`Int4Linear`, an even group size, rows a multiple of 16) to
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..quant.linear import Int4Linear, Int8Linear, W8A8Linear
+from workbench.layers.linear import Int4Linear, Int8Linear, W8A8Linear
 
 
 ACTIVATIONS = (torch.bfloat16, torch.float32)
@@ -50,7 +50,7 @@ class GemvLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if _needs_grad(x, w):       # training through the layer (kv/cla_distill.py): x's dtype
+        if _needs_grad(x, w):       # training through the layer (experiments/cla_distill.py): x's dtype
             return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
         if not self.runs_loops(x):
             return super().forward(x)
@@ -63,7 +63,7 @@ class GemvLinear(nn.Linear):
 
 def _runs_kernel(layer, x: torch.Tensor) -> bool:
     """Whether a quantized layer's fast path takes x on the kernels (bf16 or fp32 on CPU; fp32
-    never reaches aten's packed kernels, which are slow for it: quant/linear.py)."""
+    never reaches aten's packed kernels, which are slow for it: layers/linear.py)."""
     return layer.impl == "fast" and x.device.type == "cpu" and x.dtype in ACTIVATIONS
 
 
@@ -105,7 +105,7 @@ class W8A8GemvLinear(W8A8Linear):
     """A W8A8Linear whose products on CPU run the INT8 weight loop (few rows) or its widened GEMM
     (more) on the quantized activations held as fp32 integers, with unit scales: every product is
     exact and so is each sum below 2^24, so the sums equal torch._int_mm's int32 ones, whatever
-    the number of rows (python -m kernels.cpu.bench --formats w8a8 --x fp32 --rows 1,256)."""
+    the number of rows (python -m workbench.bench.cpu_gemv --formats w8a8 --x fp32 --rows 1,256)."""
 
     def integer_products(self, xq: torch.Tensor) -> torch.Tensor:
         if self.impl != "fast" or xq.device.type != "cpu":

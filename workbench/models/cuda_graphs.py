@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from ..attention.metadata import AttentionMetadata
+from workbench.attention.metadata import AttentionMetadata
 
 PADDING_OWNER = "__cuda_graph_padding__"   # the BlockManager entry that holds the scratch block
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..attention.metadata import AttentionMetadata
+from workbench.attention.metadata import AttentionMetadata
 
 
 # weight_kind of decode_step.cpp: 0 bf16, 1 INT8, 2 INT4, 3 fp32 weights.

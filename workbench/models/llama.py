@@ -9,23 +9,23 @@ Differences from transformers' modeling code, each for a reason:
   values are stored (contiguous or paged) and which kernel reads them.
 - Every projection is a plain `nn.Linear`, so quantization and tensor parallelism can swap modules.
 - Each layer returns (output, residual) and the residual add happens inside the next RMSNorm
-  (vLLM's layer signature); norms and rotary go through the backend's `ops` (models/ops.py), so the
+  (vLLM's layer signature); norms and rotary go through the backend's `ops` (layers/ops.py), so the
   Triton backend swaps in fused kernels without changing the arithmetic.
 The arithmetic (fp32 RMSNorm, rotate-half RoPE, SwiGLU) follows transformers' `LlamaForCausalLM`
 so that greedy outputs match it token for token.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.reference import rms_norm_reference
-
-from ..attention.metadata import AttentionMetadata
+from workbench.attention.metadata import AttentionMetadata
+from workbench.layers.linear import QuantLinear
+from workbench.layers.norm import RMSNorm
+from workbench.layers.rotary import RotaryEmbedding
 
 
 @dataclass
@@ -68,72 +68,6 @@ class LlamaArgs:
         """Bytes of K and V that one token occupies in the cache, all layers together."""
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 and cast back, exactly as transformers' LlamaRMSNorm does."""
-
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Standalone use; inside the model, the backend's ops apply the norm with the residual
-        add fused (models/ops.py)."""
-        return rms_norm_reference(x, self.weight, self.eps)
-
-
-def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
-    """Rotation frequency of each pair of dimensions, with Llama 3's long-context rescaling if set."""
-    dim = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = args.rope_scaling
-    if scaling is None:
-        return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported: allowed are default, llama3")
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(medium, smoothed, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables; `forward` rotates q and k at the given absolute positions."""
-
-    def __init__(self, args: LlamaArgs, max_positions: int):
-        super().__init__()
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = positions[:, None] * rope_inv_freq(args)[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-        self.args, self.max_positions = args, max_positions
-
-    def rebuild(self, device: torch.device) -> None:
-        """Recompute the tables on `device` (after the model was built on the meta device)."""
-        fresh = RotaryEmbedding(self.args, self.max_positions)
-        self.cos, self.sin = fresh.cos.to(device), fresh.sin.to(device)
-
-    @staticmethod
-    def rotate_half(x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos and sin at each token's position, (T, 1, D) to broadcast over heads; once per step."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each pair (x_i, x_{i+D/2}) by its position's angle (transformers' rotate-half form)."""
-    return x * cos + RotaryEmbedding.rotate_half(x) * sin
 
 
 class Attention(nn.Module):
@@ -254,7 +188,6 @@ class LlamaModel(nn.Module):
         """Bytes of weights read per decode step: every matrix once (quantized layers in their
         packed format); of the embedding table only a row is read, unless the LM head is that
         same table (tied and unquantized), in which case the head reads all of it."""
-        from ..quant.linear import QuantLinear
         total = sum(p.numel() * p.element_size() for p in self.parameters())
         total += sum(m.weight_bytes() for m in self.modules() if isinstance(m, QuantLinear))
         if getattr(self.lm_head, "weight", None) is not self.embed_tokens.weight:

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from .llama import LlamaArgs, LlamaModel
-from .registry import (ALIASES, RANDOM_COMMON, RANDOM_PRESETS, cache_dir, describe_sources,
+from workbench.models.llama import LlamaArgs, LlamaModel
+from workbench.models.registry import (ALIASES, RANDOM_COMMON, RANDOM_PRESETS, cache_dir, describe_sources,
                        embedded_gguf)
 
 

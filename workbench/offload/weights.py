@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .prefetch import Prefetcher
+from workbench.offload.prefetch import Prefetcher
 
 log = logging.getLogger("workbench.offload")
 ALIGN = 64          # byte offset of every parameter in a layer's flat array: any dtype views it

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .comm import Comm
+from workbench.parallel.comm import Comm
 
 
 class MoEMLP(nn.Module):

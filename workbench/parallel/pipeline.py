@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from .comm import Comm
+from workbench.parallel.comm import Comm
 
 
 def stage_layers(num_layers: int, num_stages: int) -> list[range]:

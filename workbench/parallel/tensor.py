@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .comm import Comm
+from workbench.parallel.comm import Comm
 
 
 def check_tensor_parallel(args, size: int) -> None:

@@ -2,10 +2,10 @@
 given precision and parallel layout, and how many sequences fit on GPUs of a given size."""
 from __future__ import annotations
 
-from .architecture import Architecture, architecture
-from .formats import DTYPE_BYTES, KV_DTYPE_BYTES, WEIGHT_FORMATS, linear_bytes
-from .plan import GB, MemoryPlan, gb
-from .tensors import Tensor, kv_heads_per_gpu, layer_tensors, outer_tensors
+from workbench.plan.architecture import Architecture, architecture
+from workbench.plan.formats import DTYPE_BYTES, KV_DTYPE_BYTES, WEIGHT_FORMATS, linear_bytes
+from workbench.plan.plan import GB, MemoryPlan, gb
+from workbench.plan.tensors import Tensor, kv_heads_per_gpu, layer_tensors, outer_tensors
 
 LOGITS_BYTES = 4  # logits are computed in fp32
 

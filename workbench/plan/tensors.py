@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .architecture import Architecture
+from workbench.plan.architecture import Architecture
 
 
 @dataclass(frozen=True)

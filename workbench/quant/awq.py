@@ -37,11 +37,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.llama import LlamaModel
-from .formats import INT4_MAX, Int4Weight, int4_codes, pack_int4, pad_to_groups, quantize_int4
-from .gptq import LayerwiseRunner, get_module
-from .linear import Int4Linear
-from .smoothquant import LayerWeights, fold_scales, gqa_shared
+from workbench.models.llama import LlamaModel
+from workbench.layers.formats import INT4_MAX, Int4Weight, int4_codes, pack_int4, pad_to_groups, quantize_int4
+from workbench.quant.gptq import LayerwiseRunner, get_module
+from workbench.layers.linear import Int4Linear
+from workbench.quant.smoothquant import LayerWeights, fold_scales, gqa_shared
 
 PATHS = {"qkv_proj": "self_attn.qkv_proj", "o_proj": "self_attn.o_proj",
          "gate_up_proj": "mlp.gate_up_proj", "down_proj": "mlp.down_proj"}

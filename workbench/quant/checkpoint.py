@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
-from ..models.llama import LlamaModel
-from .formats import Int4Weight, Int8Weight
-from .linear import Int4Linear, Int8Linear, QuantLinear, W8A8Linear
+from workbench.layers.formats import Int4Weight, Int8Weight
+from workbench.layers.linear import Int4Linear, Int8Linear, QuantLinear, W8A8Linear
+from workbench.models.llama import LlamaModel
+from workbench.models.loader import read_args
 
 MANIFEST = "quantization.json"
 KINDS = {Int8Linear: "int8", Int4Linear: "int4", W8A8Linear: "w8a8"}
@@ -64,7 +65,6 @@ def load_quantized(folder: Path, dtype: torch.dtype, device: torch.device,
                    max_positions: int | None = None) -> tuple[LlamaModel, dict]:
     from safetensors.torch import load_file
 
-    from ..models.loader import read_args
     folder = Path(folder)
     manifest = json.loads((folder / MANIFEST).read_text())
     if manifest.get("format") != "workbench-quant" or manifest.get("version") != 1:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.metadata import AttentionMetadata
-from ..attention.torch_backend import TorchAttention
-from ..models.llama import LlamaModel
+from workbench.attention.metadata import AttentionMetadata
+from workbench.attention.torch_backend import TorchAttention
+from workbench.models.llama import LlamaModel
 
 
 @torch.inference_mode()

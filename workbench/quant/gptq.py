@@ -40,11 +40,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..attention.metadata import AttentionMetadata
-from ..attention.torch_backend import TorchAttention
-from ..models.llama import LlamaModel
-from .formats import INT4_MAX, Int4Weight, check_group_size, int4_codes, int4_params, pack_int4
-from .linear import Int4Linear
+from workbench.attention.metadata import AttentionMetadata
+from workbench.attention.torch_backend import TorchAttention
+from workbench.models.llama import LlamaModel
+from workbench.layers.formats import INT4_MAX, Int4Weight, check_group_size, int4_codes, int4_params, pack_int4
+from workbench.layers.linear import Int4Linear
 
 MAX_TOKENS_PER_CHUNK = 4096   # calibration windows run packed, this many tokens at a time
 ORDER = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")

@@ -24,13 +24,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..models.llama import LlamaModel
-from .formats import quantize_int4, quantize_int8
-from .linear import Int4Linear, Int8Linear
+from workbench.config.quant import MIXED_FORMATS
+from workbench.layers.formats import quantize_int4, quantize_int8
+from workbench.layers.linear import Int4Linear, Int8Linear
+from workbench.models.llama import LlamaModel
+from workbench.quant.forward import prefill_hidden, prefill_logprobs
+from workbench.quant.metrics import kl_divergence
+from workbench.quant.rtn import projections
 
-# name -> (method, group size); the order is from cheapest to dearest on SmolLM2's shapes
-FORMATS = {"int4-g256": ("int4", 256), "int4-g128": ("int4", 128), "int4-g64": ("int4", 64),
-           "int4-g32": ("int4", 32), "int8": ("int8", 0)}
+FORMATS = MIXED_FORMATS       # name -> (method, group size), cheapest first
 SENSITIVITY_FORMAT = "int4-g128"
 
 
@@ -44,20 +46,17 @@ def quantized(linear: nn.Module, fmt: str, dtype: torch.dtype) -> nn.Module:
 
 def named_projections(model: LlamaModel) -> dict[str, tuple[nn.Module, str]]:
     """'layers.3.mlp.down_proj' -> (owner module, attribute)."""
-    from .apply import projections
     return {name: (owner, attr) for name, owner, attr, _ in projections(model)}
 
 
 @torch.inference_mode()
 def _logprobs(model: LlamaModel, windows) -> list[torch.Tensor]:
-    from .forward import prefill_logprobs
     return [prefill_logprobs(model, w) for w in windows]
 
 
 @torch.inference_mode()
 def sensitivities(model: LlamaModel, windows, fmt: str = SENSITIVITY_FORMAT) -> dict[str, float]:
     """Mean KL(unquantized || model with only projection p in `fmt`) per projection p."""
-    from .evaluate import kl_divergence
     dtype = model.embed_tokens.weight.dtype
     reference = _logprobs(model, windows)
     out = {}
@@ -73,7 +72,6 @@ def sensitivities(model: LlamaModel, windows, fmt: str = SENSITIVITY_FORMAT) -> 
 @torch.inference_mode()
 def input_moments(model: LlamaModel, windows) -> dict[str, torch.Tensor]:
     """E[x_j^2] of every projection's input over the calibration tokens (float64)."""
-    from .forward import prefill_hidden
     sums, count, hooks = {}, {"tokens": 0}, []
     for name, (owner, attr) in named_projections(model).items():
         def hook(module, args, _out, name=name):

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from workbench.layers.formats import quantize_int8
+from workbench.layers.linear import quantize_activations_int8
+
 
 def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
     """||approx - reference|| / ||reference|| (Frobenius norms, fp32)."""
@@ -77,8 +80,6 @@ def round_e4m3_per_row(w: torch.Tensor) -> torch.Tensor:
 def w8a8_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x (T, K) @ w (N, K)^T as SmoothQuant's layer computes it: INT8 activations with a scale per
     token, INT8 weights with a scale per output channel, integer products (exact in fp32 here)."""
-    from .formats import quantize_int8
-    from .linear import quantize_activations_int8
     xq, xs = quantize_activations_int8(x)
     wq = quantize_int8(w)
     return (xq.float() @ wq.qweight.float().t()) * xs * wq.scale[None, :]

@@ -58,11 +58,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..models.llama import LlamaArgs, LlamaModel
-from .apply import projections
-from .formats import quantize_int8
-from .forward import prefill_hidden
-from .linear import W8A8Linear
+from workbench.models.llama import LlamaArgs, LlamaModel
+from workbench.quant.rtn import projections
+from workbench.layers.formats import quantize_int8
+from workbench.quant.forward import prefill_hidden
+from workbench.layers.linear import W8A8Linear
 
 TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .protocol import OpenAIError
+from workbench.serve.protocol import OpenAIError
 
 RETRY_MIN, RETRY_MAX = 1, 60            # Retry-After is clamped to this range (seconds)
 

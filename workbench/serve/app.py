@@ -14,12 +14,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .admission import Refusal
-from .async_engine import AsyncEngine, Delta, EngineStopped, RequestStream
-from .gateway import (Gateway, GuardedStream, ServingPolicy, current_request, note_refusal,
+from workbench.serve.admission import Refusal
+from workbench.serve.async_engine import AsyncEngine, Delta, EngineStopped, RequestStream
+from workbench.serve.gateway import (Gateway, GuardedStream, ServingPolicy, current_request, note_refusal,
                       screened_token_prompt, shutdown_retry_after, sse_errors)
-from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, param_of
-from .security import ApiKeys, KeySpec, Screen
+from workbench.serve.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, param_of
+from workbench.serve.security import ApiKeys, KeySpec, Screen
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
@@ -36,7 +36,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         engine.shutdown(shutdown_timeout)    # finish what runs, abort the rest, stop the workers
 
     app = FastAPI(title="inference workbench", lifespan=lifespan)
-    max_model_len = engine.engine.config.max_model_len
+    max_model_len = engine.engine.plan.max_model_len
     policy = policy if policy is not None else ServingPolicy()
     if api_key is not None:
         specs = policy.api_keys.specs if policy.api_keys is not None else []

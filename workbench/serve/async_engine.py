@@ -20,11 +20,11 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..llm import LLM
-from ..engine.output_processor import OutputProcessor
-from ..outputs import Logprob, RequestOutput
-from ..sampling_params import SamplingParams
-from .admission import Admission, QueueState
+from workbench.llm import LLM
+from workbench.engine.output_processor import OutputProcessor
+from workbench.outputs import Logprob, RequestOutput
+from workbench.sampling_params import SamplingParams
+from workbench.serve.admission import Admission, QueueState
 
 
 @dataclass

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from .promql import Query, Scrape, legend, parse
+from workbench.serve.promql import Query, Scrape, legend, parse
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "workbench.json"

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 
-from .admission import Limits, Refusal, clamp_retry, estimate_prompt_tokens
-from .async_engine import Delta, RequestStream
-from .protocol import OpenAIError
-from .security import ApiKeys, ContentFilter, RateLimiter, screen_input
+from workbench.serve.admission import Limits, Refusal, clamp_retry, estimate_prompt_tokens
+from workbench.serve.async_engine import Delta, RequestStream
+from workbench.serve.protocol import OpenAIError
+from workbench.serve.security import ApiKeys, ContentFilter, RateLimiter, screen_input
 
 ACCESS_LOGGER = "workbench.access"
 MIB = 1 << 20

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..sampling_params import SamplingParams
+from workbench.sampling_params import SamplingParams
 
 
 class OpenAIError(Exception):

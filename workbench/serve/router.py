@@ -32,7 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .replicas import Replicas, rendezvous_order
+from workbench.serve.replicas import Replicas, rendezvous_order
 
 POLICIES = ("prefix", "random", "round_robin")
 REPLICA_HEADER = "x-workbench-replica"       # which replica answered, for clients and tests

@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from .promql import Scrape
+from workbench.serve.promql import Scrape
 
 
 def parse_exposition(text: str, **target_labels: str) -> list[tuple[str, dict[str, str], float]]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import regex
 
-from .admission import Refusal, clamp_retry
+from workbench.serve.admission import Refusal, clamp_retry
 
 
 # ---------------------------------------------------------------------------- API keys

@@ -1,12 +1,11 @@
 """Speculative decoding: a drafter guesses k tokens, the target verifies them in one forward pass.
 
-    config.py         SpeculativeConfig (vLLM's speculative_config shape), validated once
     proposer.py       Draft; NgramProposer (prompt lookup)
     model_drafter.py  ModelDrafter: quantized_self, layer_skip, draft_model
-    rejection.py      verification: rejection sampling (lossless), argmax match for greedy
-    distill.py        make a small draft model from the target (sequence-level + logit KL)
+    __init__.py       build_drafter: the drafter a SpeculativeConfig (config/speculative.py) names
+Verification is in sample/rejection.py; compress/draft.py distils a small draft from the target.
 
-The engine (engine.py) drafts for the sequences the scheduler gave lookahead slots, feeds
+The engine (engine/llm_engine.py) drafts for the sequences the scheduler gave lookahead slots, feeds
 1 + k tokens per such sequence through the target, verifies, keeps the accepted positions and
 gives back the blocks of the rejected ones (kv/block_manager.py: trim).
 """
@@ -14,95 +13,72 @@ from __future__ import annotations
 
 import copy
 
-import torch
+from workbench.config import EnginePlan, QuantConfig
+from workbench.config.quant import CALIBRATED
+from workbench.models.fused_decode import FusedDecodeForward, fused_decode_unsupported
+from workbench.models.loader import load_model, read_args, resolve_checkpoint
+from workbench.quant.apply import quantize_model
+from workbench.spec.model_drafter import ModelDrafter
+from workbench.spec.proposer import Draft, NgramProposer
+from workbench.worker.builder import apply_kernels, build_kv_cache, calibration
 
-from .config import METHODS, SpeculativeConfig
-from .model_drafter import ModelDrafter
-from .proposer import Draft, NgramProposer
-
-__all__ = ["METHODS", "SpeculativeConfig", "Draft", "NgramProposer", "ModelDrafter",
-           "build_drafter"]
+__all__ = ["Draft", "NgramProposer", "ModelDrafter", "build_drafter"]
 
 
-def build_drafter(cfg: SpeculativeConfig, engine):
-    """The drafter `cfg` describes, built next to the engine's target model and KV cache."""
-    from ..kv.paged_cache import PagedKVCache
+def build_drafter(plan: EnginePlan, target, tokenizer, generator):
+    """The drafter the plan's speculative_config describes, built next to the target (an
+    in-process executor: its built model, KV cache and attention backend), with the same builder
+    and the same kernels as the target."""
+    cfg = plan.config.spec_config
     if cfg.method == "ngram":
         return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-    config, target = engine.config, engine.model
-    common = dict(block_size=config.block_size, backend=engine.backend, device=engine.device,
-                  kv_cache_dtype=config.kv_cache_dtype, generator=engine.sampler.generator)
-    num_target_layers = engine.model_args.num_hidden_layers
+    config, k = plan.config, plan.kernels
+    common = dict(block_size=config.block_size, backend=target.backend, device=k.device,
+                  kv_cache_dtype=config.kv_cache_dtype, generator=generator)
+    num_target_layers = target.built.args.num_hidden_layers
     if cfg.method == "layer_skip":
         n = cfg.draft_num_layers or max(1, num_target_layers // 3)
         if n >= num_target_layers:
             raise ValueError(f"speculative_config['draft_num_layers']={n} is invalid: the target "
                              f"has {num_target_layers} layers; the draft must use fewer")
-        return ModelDrafter(target, engine.cache.kv_caches, None, num_layers=n, **common)
+        return ModelDrafter(target.model, target.cache.kv_caches, None, num_layers=n, **common)
     if cfg.method == "quantized_self":
-        if engine.quantization is not None:
+        if target.built.quantization is not None:
             raise ValueError("speculative_config['method']='quantized_self' is invalid for a "
-                             f"target that is already quantized ({engine.quantization!r}): the "
-                             "draft is quantized from the target's unquantized weights")
-        from ..quant.apply import QuantConfig
+                             f"target that is already quantized ({target.built.quantization!r}): "
+                             "the draft is quantized from the target's unquantized weights")
         qcfg = QuantConfig.from_args(cfg.draft_quantization, cfg.draft_quantization_config)
         if qcfg.method in ("int8", "int4"):
             # Round-to-nearest only reads the weights it replaces, so the copy shares every tensor
             # with the target (embedding, norms, and the projections until each is swapped for
-            # its quantized layer): no second bf16 model, even for a moment. A full deep copy
-            # would cost +950 MB at peak and +680 MB held, next to the target.
-            model = copy.deepcopy(target, memo={id(t): t for t in shared_tensors(target)})
+            # its quantized layer): no second full-precision model, even for a moment.
+            model = copy.deepcopy(target.model,
+                                  memo={id(t): t for t in shared_tensors(target.model)})
         else:   # calibrated methods rescale weights and norms in place: the draft needs its own
-            model = copy.deepcopy(target)
-        calibration = None
-        from ..quant.apply import CALIBRATED
-        if qcfg.method in CALIBRATED:
-            from ..quant.calibration import calibration_windows
-            calibration = calibration_windows(engine.tokenizer, qcfg.num_calibration_windows,
-                                              qcfg.calibration_window_len)
-        from ..quant.apply import quantize_model
-        quantize_model(model, qcfg, calibration)
-        args = engine.model_args
+            model = copy.deepcopy(target.model)
+        quantize_model(model, qcfg, calibration(tokenizer, "speculative_config['draft_"
+                                                "quantization']", qcfg, CALIBRATED))
+        args = target.built.args
     else:
-        from ..models.loader import load_model, read_args, resolve_checkpoint
         folder = resolve_checkpoint(cfg.model)
         args = read_args(folder)
-        if args.vocab_size != engine.model_args.vocab_size:
+        if args.vocab_size != target.built.args.vocab_size:
             raise ValueError(f"speculative_config['model']={cfg.model!r} is invalid: its "
                              f"vocabulary has {args.vocab_size} tokens, the target's "
-                             f"{engine.model_args.vocab_size}; a draft must share the tokenizer")
-        if args.max_position_embeddings < config.max_model_len:
+                             f"{target.built.args.vocab_size}; a draft must share the tokenizer")
+        if args.max_position_embeddings < plan.max_model_len:
             raise ValueError(f"speculative_config['model']={cfg.model!r} is invalid: it handles "
                              f"{args.max_position_embeddings} positions, fewer than "
-                             f"max_model_len={config.max_model_len}")
-        model = load_model(folder, engine.dtype, engine.device, config.max_model_len)
-    _kernels_of_the_target(model, engine)
-    cache = PagedKVCache(args, config.num_kv_blocks, config.block_size, engine.dtype,
-                         engine.device, config.num_cpu_blocks, kv_cache_dtype=config.kv_cache_dtype)
+                             f"max_model_len={plan.max_model_len}")
+        model = load_model(folder, k.dtype, k.device, plan.max_model_len)
+    apply_kernels(model, plan)    # the target's kernels: its quantized layers too
+    cache = build_kv_cache(args, plan)
     drafter = ModelDrafter(model, cache.kv_caches, cache, **common)
-    if config.use_fused_decode:   # the draft's one-token rounds in one C++ call, as the target's
-        from ..models.fused_decode import FusedDecodeForward, fused_decode_unsupported
-        if fused_decode_unsupported(model) is None:
-            drafter.forward = FusedDecodeForward(model, model)
+    if k.fused_decode and fused_decode_unsupported(model) is None:
+        drafter.forward = FusedDecodeForward(model, model)   # one-token rounds in one C++ call
     return drafter
 
 
 def shared_tensors(model) -> list:
     """Every parameter and buffer of `model`, for a deep copy that shares them instead."""
     return [*model.parameters(), *model.buffers()]
-
-
-def _kernels_of_the_target(model, engine) -> None:
-    """The draft runs on the target's kernels: the CPU loops (its quantized layers too, which
-    otherwise take torch's packed kernels, 28-78x slower with fp32 activations) and the
-    batch-invariant layers. Both switches skip layers already switched (those shared with the
-    target)."""
-    config = engine.config
-    if config.use_cpu_gemv:
-        from ..models.cpu_gemv import store_weights_bf16, use_cpu_gemv
-        use_cpu_gemv(model)
-        if config.weight_dtype == torch.bfloat16 and engine.dtype == torch.float32:
-            store_weights_bf16(model)
-    if config.batch_invariant:
-        from ..models.batch_invariant import make_batch_invariant
-        make_batch_invariant(model)

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import torch
 
-from ..kv.paged_cache import PagedKVCache
-from ..models.llama import LlamaModel
-from ..engine.runner import pack
-from ..models.fused_decode import MAX_QUERY_LEN
-from .proposer import Draft
-from .rejection import processed_probs
+from workbench.kv.paged_cache import PagedKVCache
+from workbench.models.llama import LlamaModel
+from workbench.worker.model_runner import pack
+from workbench.models.fused_decode import MAX_QUERY_LEN
+from workbench.spec.proposer import Draft
+from workbench.sample.rejection import processed_probs
 
 
 class ModelDrafter:

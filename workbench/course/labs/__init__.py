@@ -16,22 +16,19 @@ Each chapter's checkers live in their own module here; every module is found aut
 """
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
-from .core import (EXERCISES, FAILED, NOT_ATTEMPTED, PASSED, Exercise, Feedback, Mismatch, check,
-                   exercise, get)
-
-_INFRASTRUCTURE = {"core", "grade", "__main__"}
-
-
-def load_all() -> dict[str, Exercise]:
-    """Import every chapter module of this package (each registers its exercises)."""
-    for info in pkgutil.iter_modules(__path__):
-        if info.name not in _INFRASTRUCTURE:
-            importlib.import_module(f"{__name__}.{info.name}")
-    return EXERCISES
-
+from workbench.course.labs.core import (
+                                        EXERCISES,
+                                        FAILED,
+                                        NOT_ATTEMPTED,
+                                        PASSED,
+                                        Exercise,
+                                        Feedback,
+                                        Mismatch,
+                                        check,
+                                        exercise,
+                                        get,
+                                        load_all,
+)
 
 __all__ = ["EXERCISES", "Exercise", "Feedback", "Mismatch", "check", "exercise", "get", "load_all",
            "PASSED", "FAILED", "NOT_ATTEMPTED"]

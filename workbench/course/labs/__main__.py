@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import load_all
-from .grade import child_main
-from .grade import main as grade_main
+from workbench.course.labs import load_all
+from workbench.course.labs.grade import child_main
+from workbench.course.labs.grade import main as grade_main
 
 
 def main(argv: list[str] | None = None) -> int:

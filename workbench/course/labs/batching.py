@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import random
 
-from ...config import EngineConfig
-from ...kv.block_manager import BlockManager
-from ...sampling_params import SamplingParams
-from ...engine.scheduler import Scheduler
-from ...engine.sequence import Sequence, SequenceStatus
-from .core import Mismatch, call, exercise, expect_equal
+from workbench.config import EngineConfig, ModelFacts, plan_kernels, resolve
+from workbench.kv.block_manager import BlockManager
+from workbench.sampling_params import SamplingParams
+from workbench.engine.scheduler import Scheduler
+from workbench.engine.sequence import Sequence, SequenceStatus
+from workbench.course.labs.core import Mismatch, call, exercise, expect_equal
 
 CHAPTER = "05_continuous_batching"
 _PARAMS = SamplingParams(max_tokens=1000)
@@ -36,10 +36,15 @@ def _sequence(rid: str, num_computed: int, num_uncomputed: int, order: int) -> S
 
 def _scheduler(max_num_batched_tokens: int, max_num_seqs: int, chunked: bool,
                num_blocks: int, block_size: int) -> Scheduler:
+    # No model: a context as long as one step may be (the pool's, with chunked prefill), and one
+    # byte per token (nothing is allocated).
+    context = num_blocks * block_size if chunked else max_num_batched_tokens
     config = EngineConfig(device="cpu", dtype="float32", max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
-                          enable_chunked_prefill=chunked)
-    return Scheduler(config, BlockManager(num_blocks=num_blocks, block_size=block_size))
+                          enable_chunked_prefill=chunked, block_size=block_size,
+                          num_kv_blocks=num_blocks, max_model_len=context)
+    plan = resolve(config, plan_kernels(config), ModelFacts(context, 1))
+    return Scheduler(plan, BlockManager(num_blocks=num_blocks, block_size=block_size))
 
 
 def _pairs(got, what: str) -> list[tuple[str, int]]:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...compress.losses import forward_kl, reverse_kl
-from ...compress.pruning import keep_mask, wanda_score
-from .core import Mismatch, call, exercise
+from workbench.compress.losses import forward_kl, reverse_kl
+from workbench.compress.pruning import keep_mask, wanda_score
+from workbench.course.labs.core import Mismatch, call, exercise
 
 CHAPTER = "09_compression"
 

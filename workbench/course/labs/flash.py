@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference import attention_reference
+from workbench.kernels.reference import attention_reference
 
-from ...attention.flash_reference import (FULL, MASKED, SKIP, merge_partials, online_softmax_steps,
+from workbench.attention.flash_reference import (FULL, MASKED, SKIP, merge_partials, online_softmax_steps,
                                           split_partials, tile_map)
-from .core import Mismatch, call, exercise
+from workbench.course.labs.core import Mismatch, call, exercise
 
 CHAPTER = "04_flash_attention"
 

@@ -19,7 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .core import FAILED, NOT_ATTEMPTED
+from workbench.course.labs import check, get, load_all
+from workbench.course.labs.core import FAILED, NOT_ATTEMPTED
 
 EXERCISE_LINE = re.compile(r"^\s*#\s*EXERCISE:\s*(\S+)")
 _RESULT_MARK = "@@workbench-labs-result@@"
@@ -53,7 +54,6 @@ def run_cells_and_check(cells: list[str]) -> list[dict]:
     import contextlib
     import io
 
-    from . import check, get
     namespace: dict = {"__name__": "__main__"}
     cell_errors = []
     for i, src in enumerate(cells):
@@ -124,7 +124,6 @@ def grade_folder(folder: Path, timeout: float = 120.0, jobs: int | None = None
 
 def table(grades: dict[str, dict[str, dict]]) -> tuple[list[str], list[list[str]]]:
     """Header and rows: one row per submission, one column per exercise, then the count."""
-    from . import load_all
     order = {ex_id: (ex.chapter, i) for i, (ex_id, ex) in enumerate(load_all().items())}
     # Chapter by chapter, each lab's exercises in the order its notebook asks them.
     exercises = sorted({ex for results in grades.values() for ex in results},

@@ -13,13 +13,18 @@ from __future__ import annotations
 import json
 import random
 
-from .core import Mismatch, call, exercise, expect_close, expect_equal
+from workbench.course.labs.core import Mismatch, call, exercise, expect_close, expect_equal
+from workbench.kv.paged_cache import kv_bytes_per_token as engine_kv_bytes
+from workbench.kv.tiers import KVTiers
+from workbench.models.llama import LlamaArgs
+from workbench.parallel.sequence import TokenSplit
+from workbench.plan import memory_plan
+from workbench.plan.architecture import CONFIGS
 
 CHAPTER = "11_memory_hierarchy"
 
 
 def _configs() -> list[dict]:
-    from ...plan.architecture import CONFIGS
     return [json.loads(p.read_text(encoding="utf-8")) for p in sorted(CONFIGS.glob("*.json"))]
 
 
@@ -60,7 +65,6 @@ def _kv_mistake(cfg: dict, kv_bytes: int, got) -> str:
                "(kv_lora_rank > 0) it stores kv_lora_rank + qk_rope_head_dim elements instead. "
                "Multiply by the layers and the bytes of one element.")
 def check_kv_bytes_per_token(kv_bytes_per_token) -> None:
-    from ...plan import memory_plan
 
     kv_names = {1: "fp8", 2: "bf16", 4: "fp32"}
     # Dense attention first, MLA last: a mistake meets the case its hint speaks of.
@@ -74,8 +78,6 @@ def check_kv_bytes_per_token(kv_bytes_per_token) -> None:
     # The engine sizes its own pool with the same formula (SmolLM2 in bf16: 30 layers x 3 KV heads).
     import torch
 
-    from ...kv.paged_cache import kv_bytes_per_token as engine_kv_bytes
-    from ...models.llama import LlamaArgs
     cfg = next(c for c in _configs() if c["name"] == "SmolLM2-135M")
     args = LlamaArgs.from_hf_config({**cfg, "model_type": "llama"})
     expected = engine_kv_bytes(args, torch.bfloat16)
@@ -88,7 +90,6 @@ def check_kv_bytes_per_token(kv_bytes_per_token) -> None:
 def _tiers_after(spills: list[str], cpu_capacity: int, disk_capacity: int):
     """The engine's books (kv/tiers.py) after spilling these hashes: CPU and disk tiers, oldest
     first. One byte per block, so the disk's byte bound counts blocks."""
-    from ...kv.tiers import KVTiers
     tiers = KVTiers(cpu_capacity, disk_capacity, block_bytes=1)
     for i, h in enumerate(spills):
         tiers.spill(i, h)
@@ -136,7 +137,6 @@ def check_spill(spill) -> None:
 
 
 def _reference_lookup(hashes, device, cpu, disk):
-    from ...kv.tiers import KVTiers
     tiers = KVTiers(len(cpu), len(disk), block_bytes=1)
     tiers.cpu.update((h, i) for i, h in enumerate(cpu))
     tiers.disk.update((h, 1) for h in disk)
@@ -187,7 +187,6 @@ class _Size:
 
 
 def _token_split(num_tokens: int, tp: int):
-    from ...parallel.sequence import TokenSplit
     split = TokenSplit(_Size(tp))
     split.tokens = num_tokens
     return split

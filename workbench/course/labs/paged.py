@@ -1,14 +1,14 @@
 """Lab 03 (paged KV cache): where a token's K and V live, and giving a sequence blocks as it grows.
 
-The references are the engine's own: the runner's slot formula (`workbench/engine/runner.py`,
+The references are the engine's own: the runner's slot formula (`workbench/worker/model_runner.py`,
 `plan_step`) and `BlockManager.allocate` over a `BlockPool` (`workbench/kv/`).
 """
 from __future__ import annotations
 
 import random
 
-from ...kv.block_manager import BlockManager
-from .core import Mismatch, call, exercise, expect_equal
+from workbench.kv.block_manager import BlockManager
+from workbench.course.labs.core import Mismatch, call, exercise, expect_equal
 
 CHAPTER = "03_paged_kv_cache"
 

@@ -14,11 +14,11 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from ...models.llama import MLP, LlamaArgs, LlamaModel
-from ...parallel.comm import Comm
-from ...parallel.moe import MoEMLP
-from ...parallel.tensor import shard_model
-from .core import Mismatch, call, exercise
+from workbench.models.llama import MLP, LlamaArgs, LlamaModel
+from workbench.parallel.comm import Comm
+from workbench.parallel.moe import MoEMLP
+from workbench.parallel.tensor import shard_model
+from workbench.course.labs.core import Mismatch, call, exercise
 
 CHAPTER = "07_parallelism"
 

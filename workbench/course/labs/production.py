@@ -4,10 +4,10 @@ goodput under SLOs used to choose a batching setting.
 
 The references are the engine's own:
 - penalties and min-p are `apply_penalties` and `apply_min_p`
-  (`workbench/engine/logits_processors.py`), called as the sampler calls them
-  (`workbench/engine/sampler.py`): penalties on the processed row, then temperature, then min-p
+  (`workbench/sample/logits_processors.py`), called as the sampler calls them
+  (`workbench/sample/sampler.py`): penalties on the processed row, then temperature, then min-p
   (transformers' RepetitionPenaltyLogitsProcessor and MinPLogitsWarper give the same rows);
-- the bitmask is xgrammar's (the grammar engine of `workbench/structured/grammar.py`), compiled from
+- the bitmask is xgrammar's (the grammar engine of `workbench/sample/grammar.py`), compiled from
   the language's regex over the lab's tiny vocabulary; a pure-Python walk of the language's DFA
   stands in when xgrammar is not importable, and the two are compared when it is;
 - goodput is `loadgen.summarize` (`workbench/serve/loadgen.py`) on `RequestResult`s built from the
@@ -19,7 +19,10 @@ from __future__ import annotations
 import math
 import random
 
-from .core import Mismatch, call, exercise
+from workbench.course.labs.core import Mismatch, call, exercise
+from workbench.sample.logits_processors import History, apply_min_p, apply_penalties
+from workbench.sampling_params import SamplingParams
+from workbench.serve.loadgen import RequestResult, summarize
 
 CHAPTER = "10_production"
 
@@ -28,8 +31,6 @@ CHAPTER = "10_production"
 def reference_process(logits, prompt_ids, output_ids, presence_penalty=0.0,
                       frequency_penalty=0.0, repetition_penalty=1.0, temperature=1.0, min_p=0.0):
     """One row through the engine's processors, in the sampler's order."""
-    from ...engine.logits_processors import History, apply_min_p, apply_penalties
-    from ...sampling_params import SamplingParams
 
     params = SamplingParams(temperature=temperature, presence_penalty=presence_penalty,
                             frequency_penalty=frequency_penalty,
@@ -543,7 +544,6 @@ def make_runs(seed: int = 0, num: int = 60, rate: float = 6.0) -> dict[str, list
 
 def reference_goodput(records: list[dict], slo_ttft: float, slo_tpot: float) -> float:
     """loadgen.summarize's goodput for the records: the span is the run's duration."""
-    from ...serve.loadgen import RequestResult, summarize
 
     if not records:
         return 0.0

@@ -1,6 +1,6 @@
 """Lab 02 (quantization): the engine's two integer weight formats, written by hand.
 
-The references are the engine's own quantizers and dequantizer (`workbench/quant/formats.py`):
+The references are the engine's own quantizers and dequantizer (`workbench/layers/formats.py`):
 `quantize_int8` (symmetric, one scale per output row), `int4_params` and `int4_codes` (asymmetric,
 a scale and a minimum per group of consecutive weights, the input padded with zeros to whole
 groups) and `Int4Weight.dequantize` (two codes per byte, element 2j in the low nibble), which is
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ...quant.formats import (INT4_MAX, Int4Weight, int4_codes, int4_params, pad_to_groups,
+from workbench.layers.formats import (INT4_MAX, Int4Weight, int4_codes, int4_params, pad_to_groups,
                              quantize_int4, quantize_int8)
-from .core import Mismatch, call, exercise
+from workbench.course.labs.core import Mismatch, call, exercise
 
 CHAPTER = "02_quantization"
 

@@ -21,7 +21,11 @@ import random
 import threading
 from types import SimpleNamespace
 
-from .core import Mismatch, call, exercise
+from workbench.course.labs.core import Mismatch, call, exercise
+from workbench.serve import loadgen
+from workbench.serve.app import build_app
+from workbench.serve.async_engine import Delta
+from workbench.serve.loadgen import RequestResult, summarize
 
 CHAPTER = "08_serving"
 
@@ -49,7 +53,7 @@ class _ReplayEngine:
     """The part of AsyncEngine that build_app touches: the next request replays `deltas`."""
 
     def __init__(self):
-        self.engine = SimpleNamespace(config=SimpleNamespace(max_model_len=256), tokenizer=None)
+        self.engine = SimpleNamespace(plan=SimpleNamespace(max_model_len=256), tokenizer=None)
         self.metrics, self.error, self.deltas, self.stopping = None, None, [], False
 
     async def submit(self, prompt, params, priority=0, prompt_tokens=1):
@@ -87,8 +91,6 @@ def server_stream(deltas: list[tuple], chat: bool = False, include_usage: bool =
     Produced by the server's own app, in-process."""
     import httpx
 
-    from ...serve.app import build_app
-    from ...serve.async_engine import Delta
 
     if "app" not in _APP:
         _APP["engine"] = _ReplayEngine()
@@ -258,7 +260,6 @@ def _loadgen_measure(body: str, sent: float, events, done: float):
     by a scripted clock: it reads the clock when it sends, at every event, and at the end."""
     import httpx
 
-    from ...serve import loadgen
 
     clock = iter([sent] + [t for t, _ in events] + [done])
 
@@ -377,7 +378,6 @@ def check_request_metrics(request_metrics) -> None:
 def _results(rng: random.Random, num: int):
     """Seeded RequestResults as the load generator records them: most complete, a few fail
     (an HTTP error before any token: no TTFT, no e2e; or a stream that ended without text)."""
-    from ...serve.loadgen import RequestResult
     out = []
     for _ in range(num):
         r = RequestResult(prompt_tokens=rng.randint(8, 256), max_tokens=64)
@@ -419,7 +419,6 @@ def _good(results, slo_ttft, slo_tpot, slo_e2e, strict=False, tpot_none_fails=Fa
                "each within their SLO (<=), where an SLO of None sets no limit and a tpot of "
                "None (one output token) cannot miss it; divide their number by duration.")
 def check_goodput(goodput) -> None:
-    from ...serve.loadgen import RequestResult, summarize
 
     rng = random.Random(5)
     one_token = RequestResult(8, 1, ok=True, output_tokens=1, ttft=0.4, e2e=0.4)

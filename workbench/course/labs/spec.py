@@ -1,7 +1,7 @@
 """Lab 06 (speculative decoding): verify drafted tokens, greedily and by rejection sampling.
 
 The references are the engine's own: `verify_greedy` and `verify_sampled` in
-`workbench/spec/rejection.py`, and the residual distribution the sampler draws from after a
+`workbench/sample/rejection.py`, and the residual distribution the sampler draws from after a
 rejection (`workbench/spec/theory.py: residual`, the rule `verify_sampled` applies inline). Greedy
 verification and the residual are compared exactly. Rejection sampling is random, so it is checked
 on cases whose outcome is forced (probabilities 0 or 1) against `verify_sampled`, and otherwise by
@@ -16,8 +16,9 @@ import random
 
 import torch
 
-from ...spec.rejection import verify_greedy, verify_sampled
-from .core import Mismatch, call, exercise, expect_close, expect_equal
+from workbench.course.labs.core import Mismatch, call, exercise, expect_close, expect_equal
+from workbench.sample.rejection import verify_greedy, verify_sampled
+from workbench.spec.theory import residual as reference
 
 CHAPTER = "06_speculative_decoding"
 
@@ -182,7 +183,6 @@ def _residual_hint(got: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> str:
           hint="r = (p - q).clamp(min=0); return r / r.sum(), or p itself when r.sum() == 0 "
                "(p == q: a rejection cannot happen there).")
 def check_residual(residual_fn) -> None:
-    from ...spec.theory import residual as reference
     for name, p, q in _residual_cases():
         what = f"residual(p={_fmt(p)}, q={_fmt(q)}) ({name})"
         got = call(residual_fn, what, p.clone(), q.clone())

@@ -13,9 +13,9 @@ import math
 import numbers
 import random
 
-from ...bench import decode_bytes_per_token
-from ...bench.anatomy import ATTENTION_OPS, MATMUL_OPS, categorize
-from .core import Mismatch, call, exercise
+from workbench.bench import decode_bytes_per_token
+from workbench.bench.anatomy import ATTENTION_OPS, MATMUL_OPS, categorize
+from workbench.course.labs.core import Mismatch, call, exercise
 
 CHAPTER = "01_anatomy_of_speed"
 BUCKETS = ("matmul", "attention", "other ops", "overhead")

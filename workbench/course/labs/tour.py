@@ -1,7 +1,7 @@
 """Lab 00 (the tour): the distribution a token is drawn from, what one token costs in the KV cache,
 and the decode speed that memory bandwidth allows.
 
-The references are the engine's own: the sampler (`workbench/engine/sampler.py`: greedy rows take the
+The references are the engine's own: the sampler (`workbench/sample/sampler.py`: greedy rows take the
 argmax, sampled rows go through `apply_top_k_top_p` after the temperature), the bytes the paged KV
 cache allocates for one token slot (`workbench/kv/paged_cache.py`, from the model's config read by
 `LlamaArgs.from_hf_config`), and the chapter's roofline (`workbench.bench.decode_bytes_per_token`).
@@ -14,12 +14,12 @@ import random
 
 import torch
 
-from ...bench import decode_bytes_per_token
-from ...kv.paged_cache import PagedKVCache
-from ...models.llama import LlamaArgs
-from ...engine.sampler import Sampler, apply_top_k_top_p
-from ...sampling_params import SamplingParams
-from .core import Mismatch, call, exercise, expect_equal
+from workbench.bench import decode_bytes_per_token
+from workbench.kv.paged_cache import PagedKVCache
+from workbench.models.llama import LlamaArgs
+from workbench.sample.sampler import Sampler, apply_top_k_top_p
+from workbench.sampling_params import SamplingParams
+from workbench.course.labs.core import Mismatch, call, exercise, expect_equal
 
 CHAPTER = "00_tour"
 

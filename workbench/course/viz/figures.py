@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import plotly.graph_objects as go
 
-from ...engine.trace import StepRecord
+from workbench.engine.trace import StepRecord
 
 PREFILL_COLOR = "#1f77b4"
 DECODE_COLOR = "#ff7f0e"

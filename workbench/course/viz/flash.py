@@ -17,8 +17,8 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from ...attention.flash_reference import attention_flops, naive_attention_bytes, flash_attention_bytes, SoftmaxStep, SKIP, MASKED, FULL
-from .figures import PALETTE, _layout, add_caption
+from workbench.attention.flash_reference import attention_flops, naive_attention_bytes, flash_attention_bytes, SoftmaxStep, SKIP, MASKED, FULL
+from workbench.course.viz.figures import PALETTE, _layout, add_caption
 
 MIB = 2 ** 20
 TILE_COLORS = {SKIP: "#eeeeee", MASKED: "#ff7f0e", FULL: "#1f77b4"}

@@ -6,7 +6,10 @@ from collections.abc import Sequence
 
 import plotly.graph_objects as go
 
-from .figures import PALETTE, _layout, finish_with_top_legend
+from workbench.course.viz.figures import PALETTE, _layout, finish_with_top_legend
+from workbench.course.viz.widgets import interact
+from workbench.plan import known_models, memory_plan
+from workbench.plan.formats import KV_DTYPE_BYTES, WEIGHT_FORMATS
 
 GB = 10**9
 PARTS = ("weights", "KV cache of the batch", "activations")
@@ -50,9 +53,6 @@ def memory_plan_widget(model: str = "Llama-3-70B", *, tp: int = 4, gpu_memory_gb
     parallelism redraw one GPU's memory (a single static draw in reports)."""
     import ipywidgets as w
 
-    from ...plan import known_models, memory_plan
-    from ...plan.formats import KV_DTYPE_BYTES, WEIGHT_FORMATS
-    from .widgets import interact
 
     def draw(model, weight_format, kv_cache_dtype, batch, context, tp):
         try:

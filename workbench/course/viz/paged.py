@@ -18,8 +18,8 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
-from ...engine.trace import StepRecord
-from .figures import PALETTE, _layout, add_caption
+from workbench.engine.trace import StepRecord
+from workbench.course.viz.figures import PALETTE, _layout, add_caption
 
 OWNER_COLORS = tuple(qualitative.Dark24)
 FREE_COLOR = "#f1f1f1"

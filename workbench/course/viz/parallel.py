@@ -8,9 +8,9 @@ from collections.abc import Mapping, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ...engine.trace import StepRecord
-from ...parallel.pipeline import gpipe_schedule
-from .figures import PALETTE, _layout, add_caption, finish_with_top_legend
+from workbench.engine.trace import StepRecord
+from workbench.parallel.pipeline import gpipe_schedule
+from workbench.course.viz.figures import PALETTE, _layout, add_caption, finish_with_top_legend
 
 
 def split_figure(matrices: Mapping[str, tuple[str, Sequence[tuple[int, int]]]], *, title: str,

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .figures import PALETTE, _layout, finish_with_top_legend
+from workbench.course.viz.figures import PALETTE, _layout, finish_with_top_legend
 
 COLORS = PALETTE + ("#e377c2", "#17becf", "#bcbd22", "#7f7f7f")   # the dashboard's roles
 

@@ -18,8 +18,8 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from .figures import PALETTE, _layout, add_caption
-from .figures import finish_with_top_legend as _finish
+from workbench.course.viz.figures import PALETTE, _layout, add_caption
+from workbench.course.viz.figures import finish_with_top_legend as _finish
 
 MB = 1e6
 FORMAT_COLORS = {"fp32": "#7f7f7f", "bf16": "#1f77b4", "fp8 e4m3": "#9467bd", "int8": "#2ca02c",

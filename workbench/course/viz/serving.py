@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .figures import PALETTE, _layout, add_caption, finish_with_top_legend
+from workbench.course.viz.figures import PALETTE, _layout, add_caption, finish_with_top_legend
 
 
 def request_breakdown_figure(parts: Mapping[str, float], *, title: str,

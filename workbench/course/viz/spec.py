@@ -19,9 +19,9 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from ...spec.theory import residual
-from .figures import PALETTE, _layout, add_caption
-from .figures import finish_with_top_legend as _finish
+from workbench.spec.theory import residual
+from workbench.course.viz.figures import PALETTE, _layout, add_caption
+from workbench.course.viz.figures import finish_with_top_legend as _finish
 
 TARGET_COLOR = "#1f77b4"
 DRAFT_COLOR = "#ff7f0e"

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
 
-from .figures import PALETTE, _layout, add_caption, finish_with_top_legend
+from workbench.course.viz.figures import PALETTE, _layout, add_caption, finish_with_top_legend
 
 POINT_COLORS = PALETTE + ("#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ...engine.trace import StepRecord
-from .figures import add_caption
+from workbench.engine.trace import StepRecord
+from workbench.course.viz.figures import add_caption
 
 KIND_COLORS = {"waiting": "rgba(160,160,160,0.35)", "prefill": "#1f77b4", "decode": "#ff7f0e",
                "recompute": "#9467bd", "preempted": "rgba(214,39,40,0.35)"}
