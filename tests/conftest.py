@@ -18,6 +18,22 @@ from workbench.engine.step_inputs import plan_step  # noqa: E402
 from workbench.models import make_random_checkpoint, resolve_checkpoint
 
 
+# End-to-end tests: real servers, worker processes, browsers, other instruction sets' builds, the
+# GPU compiler, the grader's subprocesses. `./run test quick` leaves them (and `slow`) out.
+E2E_FILES = {"test_browser.py", "test_cpu_isa.py", "test_deploy.py", "test_kernels_compile.py",
+             "test_parallel.py", "test_report.py", "test_router_failover.py",
+             "test_sequence_parallel.py", "test_serve.py", "test_serve_production.py",
+             "test_serve_sampling.py", "test_soak.py"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.name in E2E_FILES:
+            item.add_marker(pytest.mark.e2e)
+        if "smollm2" in item.name or any("smollm2" in f for f in getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)         # the real model: loads, calibrates, generates
+
+
 @pytest.fixture(scope="session")
 def smollm2_folder():
     return resolve_checkpoint("smollm2-135m")
