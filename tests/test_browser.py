@@ -70,9 +70,10 @@ SLIDERS = {
     "06_speculative_decoding": Slider("show_toy", "bad weight"),
     "07_parallelism": Slider("show_schedule", "stages P"),
 }
-# CI opens one chapter. 03 runs in about 45 s at SMOKE sizes (as quick as 04, the other short one),
-# and none of its checks times anything: they compare scheduler traces, block counts and tokens,
-# so a busy machine (the browser and the server share its cores with the kernel) cannot fail them.
+# CI opens one chapter. 03 is among the quickest at SMOKE sizes (as quick as 04, the other short
+# one; this test prints each chapter's timings), and none of its checks times anything: they
+# compare scheduler traces, block counts and tokens, so a busy machine (the browser and the server
+# share its cores with the kernel) cannot fail them.
 # 04, as quick, asserts speed ratios that a loaded machine can miss. Its "step" slider redraws the
 # block map of both runs, with a title naming the step.
 DEFAULT_CHAPTERS = ["03_paged_kv_cache"]

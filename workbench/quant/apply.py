@@ -9,10 +9,10 @@ Every decoder projection is quantized (qkv_proj, o_proj, gate_up_proj, down_proj
 `quantize_lm_head=False`, the LM head too: at 49152 x 576 it is a fifth of SmolLM2's weights and
 the largest single read of every decode step. The tied embedding table stays in the model's dtype
 (a step reads one row of it). The LM head is INT8 (per channel, round-to-nearest) in every method:
-measured on SmolLM2 with INT4 group-128 decoder layers, an INT4 head adds 0.11 to the mean KL on
-held-out text (0.57 vs 0.46) and an INT8 head adds nothing measurable (0.4636 vs 0.4630 with the
-bf16 head), for 14 MB more read per token. GPTQ, AWQ and SmoothQuant treat the decoder layers,
-where their statistics come from.
+on SmolLM2 an INT4 head adds clearly to the mean KL on held-out text while an INT8 head adds about
+nothing over the bf16 one (`python -m workbench.bench quant --methods int4-g32 int4-g32-bf16head`
+compares the INT8 head with the bf16 one), for half a byte more per head weight read per token
+than INT4. GPTQ, AWQ and SmoothQuant treat the decoder layers, where their statistics come from.
 """
 from __future__ import annotations
 
@@ -44,9 +44,10 @@ class QuantConfig:
     # projection input (max |x| of the smoothed input over the calibration windows / 127)
     smoothquant_activations: str = "dynamic"
     # GPTQ: act-order (columns by decreasing H_jj, groups fixed beforehand) costs nothing at run
-    # time, since the stored groups stay contiguous, and measured mean KL 0.133 against 0.200 in
-    # natural order on SmolLM2 at group 128; so it is the default here (AutoGPTQ's desc_act is off
-    # by default because its groups then follow the permutation and need a g_idx at run time).
+    # time, since the stored groups stay contiguous, and gives a clearly lower mean KL than the
+    # natural order on SmolLM2 at group 128 (`python -m workbench.bench quant --methods gptq`
+    # measures the default); so it is the default here (AutoGPTQ's desc_act is off by default
+    # because its groups then follow the permutation and need a g_idx at run time).
     gptq_act_order: bool = True
     gptq_percdamp: float = 0.01        # damping added to H's diagonal, times its mean
     gptq_block_size: int = 128         # columns compensated eagerly before the lazy batch update

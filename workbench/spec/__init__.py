@@ -50,7 +50,9 @@ def build_drafter(cfg: SpeculativeConfig, engine):
             # Round-to-nearest only reads the weights it replaces, so the copy shares every tensor
             # with the target (embedding, norms, and the projections until each is swapped for
             # its quantized layer): no second bf16 model, even for a moment. A full deep copy
-            # would cost +950 MB at peak and +680 MB held, next to the target.
+            # would hold a second set of the target's weights next to it (the peak RSS of building
+            # this draft: `/usr/bin/time -v python -m workbench.bench spec --drafters
+            # quantized_self`).
             model = copy.deepcopy(target, memo={id(t): t for t in shared_tensors(target)})
         else:   # calibrated methods rescale weights and norms in place: the draft needs its own
             model = copy.deepcopy(target)
@@ -94,7 +96,8 @@ def shared_tensors(model) -> list:
 
 def _kernels_of_the_target(model, engine) -> None:
     """The draft runs on the target's kernels: the CPU loops (its quantized layers too, which
-    otherwise take torch's packed kernels, 28-78x slower with fp32 activations) and the
+    otherwise take torch's packed kernels, far slower with fp32 activations: `python -m
+    kernels.cpu.bench --x fp32 --formats int8,int4` times both) and the
     batch-invariant layers. Both switches skip layers already switched (those shared with the
     target)."""
     config = engine.config
