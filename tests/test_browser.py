@@ -70,9 +70,10 @@ SLIDERS = {
     "06_speculative_decoding": Slider("show_toy", "bad weight"),
     "07_parallelism": Slider("show_schedule", "stages P"),
 }
-# CI opens one chapter. 03 runs in about 45 s at SMOKE sizes (as quick as 04, the other short one),
-# and none of its checks times anything: they compare scheduler traces, block counts and tokens,
-# so a busy machine (the browser and the server share its cores with the kernel) cannot fail them.
+# CI opens one chapter. 03 is among the quickest at SMOKE sizes (as quick as 04, the other short
+# one; this test prints each chapter's timings), and none of its checks times anything: they
+# compare scheduler traces, block counts and tokens, so a busy machine (the browser and the server
+# share its cores with the kernel) cannot fail them.
 # 04, as quick, asserts speed ratios that a loaded machine can miss. Its "step" slider redraws the
 # block map of both runs, with a title naming the step.
 DEFAULT_CHAPTERS = ["03_paged_kv_cache"]
@@ -627,3 +628,46 @@ def test_chapter_in_jupyterlab(chapter, browser, lab, artifacts):
         context.close()
         # Free the chapter's kernel (a loaded model) before the next chapter starts its own.
         lab.shutdown_kernels()
+
+
+def test_report_math_renders_offline(browser, tmp_path, artifacts):
+    """A report (workbench.course.report's HTML) opened from disk with the network off draws its
+    math: MathJax, inlined from the installed package, turns the markdown's TeX and the figure's
+    LaTeX title into SVG, and the page requests nothing but itself."""
+    from test_report import math_notebook
+
+    from workbench.course import report
+
+    html_path = tmp_path / "math.html"
+    report.to_html(math_notebook(tmp_path / "math.ipynb"), html_path)
+    context = browser.new_context(viewport={"width": 1200, "height": 900}, offline=True)
+    page = context.new_page()
+    outside: list[str] = []
+    errors: list[str] = []
+    page.on("request", lambda r: None if r.url.startswith(("file:", "data:", "blob:"))
+            else outside.append(r.url))
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        page.goto(html_path.as_uri(), timeout=PAGE_LOAD_MS)
+        # MathJax's output: an <mjx-container> holding an SVG per formula (two in the markdown, one
+        # displayed), and the figure's title typeset by plotly.js with the page's MathJax.
+        drawn = ("() => document.querySelectorAll('.jp-RenderedMarkdown mjx-container svg').length"
+                 " >= 2 && !!document.querySelector('.js-plotly-plot .main-svg')"
+                 " && !!document.querySelector('.js-plotly-plot svg.gtitle-math')")
+        try:
+            page.wait_for_function(drawn, timeout=RENDER_MS, polling=250)
+        except Exception:
+            shoot(page, artifacts / "report-math-failure.png")
+            raise
+        shoot(page, artifacts / "report-math.png")
+        found = page.evaluate("""() => ({
+            version: window.MathJax && MathJax.version,
+            inline: document.querySelectorAll('.jp-RenderedMarkdown mjx-container:not([display])').length,
+            display: document.querySelectorAll('.jp-RenderedMarkdown mjx-container[display="true"]').length,
+            errors: document.querySelectorAll('mjx-merror, [data-mjx-error]').length,
+            raw: document.querySelector('.jp-RenderedMarkdown').textContent.includes('\\\\frac')})""")
+        assert found == {"version": "3.2.2", "inline": 1, "display": 1, "errors": 0, "raw": False}, found
+        assert not outside, f"the report requested {outside[:5]}"
+        assert not errors, errors
+    finally:
+        context.close()

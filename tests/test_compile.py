@@ -156,8 +156,9 @@ def test_many_compiled_engines_in_one_process(tiny_folder):
 
 
 def test_the_compiled_forward_checks_only_the_guards_that_choose_a_graph(tiny_folder, monkeypatch):
-    """Dynamo's guards on the model object are dropped (they cost up to 1.2 ms a step); the ones
-    on the inputs and shapes stay, so a prefill after decode steps still gets its own graph."""
+    """Dynamo's guards on the model object are dropped (thousands of checks before every step,
+    models/compile.py says why; TORCH_LOGS=guards lists them); the ones on the inputs and shapes
+    stay, so a prefill after decode steps still gets its own graph."""
     from workbench.models import compile as compile_module
     decisions, keep_guards = [], compile_module.keep_guards
 

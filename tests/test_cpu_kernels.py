@@ -398,6 +398,24 @@ def test_bf16_weights_with_fp32_activations_match_a_bf16_rounded_fp32_model(tiny
 
 
 @needs_kernels
+def test_num_parameters_counts_a_tied_head_once_whatever_copy_the_kernels_keep(tiny_folder):
+    """An fp32 engine over bf16 weights (store_weights_bf16) gives the tied LM head its own bf16
+    copy; the model still has the parameters of its checkpoint, as transformers counts them."""
+    from conftest import hf_model
+
+    from workbench.models.cpu_gemv import store_weights_bf16
+    published = hf_model(tiny_folder).num_parameters()
+    llm = LLM(model=str(tiny_folder), dtype="float32", device="cpu", verbose=False, max_model_len=64)
+    model = llm.engine.model
+    assert model.args.tie_word_embeddings and model.lm_head.weight is model.embed_tokens.weight
+    assert model.num_parameters() == published
+    store_weights_bf16(model)
+    assert model.lm_head.weight is not model.embed_tokens.weight               # the head's copy
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert model.num_parameters() == published
+
+
+@needs_kernels
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
 def test_products_autograd_records_take_torchs_linear(w_dtype):
     """The kernels have no backward: with x or the weight requiring grad (training through a

@@ -26,7 +26,8 @@ SMALL = dict(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermed
 
 @pytest.fixture(scope="module")
 def llm():
-    # max_num_seqs=16: all the prompts of one generate call decode together (2x faster on CPU).
+    # max_num_seqs=16: all the prompts of one generate call decode together, which is faster on
+    # CPU too (`python -m workbench.bench offline-mixed` measures what batching gains).
     return LLM(model="smollm2-135m", dtype="auto", device="cpu", verbose=False,
                max_model_len=256, max_num_seqs=16)
 
@@ -77,8 +78,10 @@ def test_training_learns_the_teacher(result, train_seqs):
     assert result.history[-1]["train_loss"] < 0.7 * result.history[1]["train_loss"]
     assert result.history[-1]["agreement"] > result.history[0]["agreement"]
     # Fitted the target's generations well beyond the trivial "most frequent token" predictor.
-    # (Held-out agreement above that baseline needs the default config's data and minutes:
-    # 64 prompts x 96 tokens, 200 steps, ~24% against 10%; 512 tokens here can't generalise.)
+    # (Held-out agreement above that baseline needs the default config's data and minutes,
+    # 64 prompts x 96 tokens and 200 steps: `python -m workbench.bench spec --drafters
+    # draft_model` distils that draft and measures its acceptance; 512 tokens here can't
+    # generalise.)
     draft = hf_model(result.path)
     train = torch.tensor(train_seqs)
     most_frequent = Counter(train[:, P:].flatten().tolist()).most_common(1)[0][0]

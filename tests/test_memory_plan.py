@@ -187,3 +187,49 @@ def test_bad_arguments_name_the_allowed_values():
     with pytest.raises(ValueError, match=r"weight_format='nf4' is invalid: allowed are None, "
                                          r"'int8', 'fp8', 'int4', 'awq4'"):
         memory_plan("Llama-2-7B", weight_format="nf4")
+
+
+def test_dtype_takes_the_engines_names():
+    import torch
+
+    from workbench.config import DTYPES
+    from workbench.plan.formats import DTYPE_NAMES
+    # The same names as LLM(dtype=...), each meaning the same torch dtype.
+    short = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    assert set(DTYPE_NAMES) == set(DTYPES)
+    assert all(short[DTYPE_NAMES[name]] == DTYPES[name] for name in DTYPES)
+    for aliases, canonical in ((("float16", "fp16", "half"), "fp16"),
+                               (("bfloat16", "bf16"), "bf16"),
+                               (("float32", "fp32", "float"), "fp32")):
+        plans = [memory_plan("Llama-2-7B", dtype=name) for name in aliases]
+        assert {p.dtype for p in plans} == {canonical}                 # normalised once
+        assert {p.kv_cache_dtype for p in plans} == {canonical}        # the KV cache follows
+        assert len({(p.weight_bytes_total, p.kv_bytes_per_token, p.activation_bytes_per_gpu)
+                    for p in plans}) == 1
+    assert memory_plan("Llama-2-7B", dtype="float16").kv_bytes_per_token == 2 * 32 * 4096 * 2
+    assert memory_plan("Llama-2-7B", dtype="float32").kv_bytes_per_token == 2 * 32 * 4096 * 4
+
+
+def test_kv_cache_dtype_auto_follows_dtype_and_explicit_formats_still_work():
+    fp16 = memory_plan("Llama-2-7B", dtype="half")
+    assert fp16.kv_cache_dtype == "fp16" and "KV cache (fp16)" in fp16.describe()
+    assert memory_plan("Llama-2-7B").kv_cache_dtype == "bf16"          # the default dtype's
+    assert memory_plan("Llama-2-7B", dtype="fp32", kv_cache_dtype="auto").kv_cache_dtype == "fp32"
+    per_element = 2 * 32 * 4096                  # K and V x layers x hidden (MHA: 32 x 128)
+    for kv, canonical, element in (("bf16", "bf16", 2), ("bfloat16", "bf16", 2), ("half", "fp16", 2),
+                                   ("float", "fp32", 4), ("fp8", "fp8", 1), ("int8", "int8", 1)):
+        plan = memory_plan("Llama-2-7B", dtype="float16", kv_cache_dtype=kv)
+        assert (plan.kv_cache_dtype, plan.kv_bytes_per_token) == (canonical, per_element * element)
+        assert plan.dtype == "fp16"
+
+
+def test_bad_dtypes_name_the_field_the_value_and_the_allowed_names():
+    with pytest.raises(ValueError, match=r"^dtype='fp64' is invalid: allowed are 'float32', 'fp32', "
+                                         r"'float', 'bfloat16', 'bf16', 'float16', 'fp16', 'half'$"):
+        memory_plan("Llama-2-7B", dtype="fp64")
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype='int4' is invalid: allowed are 'auto' "
+                                         r"\(the dtype, here 'fp16'\), 'float32', .*'half', 'fp8', "
+                                         r"'int8'$"):
+        memory_plan("Llama-2-7B", dtype="float16", kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype=\['auto'\] is invalid"):
+        memory_plan("Llama-2-7B", kv_cache_dtype=["auto"])

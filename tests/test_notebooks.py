@@ -5,6 +5,7 @@ Every notebooks/*.ipynb
 - starts (after its title) with a code cell tagged `parameters` that defines DEVICE and SMOKE, so
   papermill and CI can set them;
 - checks itself: at least one `assert` statement in a code cell;
+- records its key numbers for the report: at least one `workbench.course.results.record(...)` call;
 - draws at least one plotly figure (plotly graph_objects or a `workbench.course.viz` figure);
 - ends its arc with "On a GPU" and "Further reading" sections.
 """
@@ -100,6 +101,19 @@ def test_has_assert_cells(path):
     asserts = sum(isinstance(node, ast.Assert)
                   for cell in code_cells(load(path)) for node in ast.walk(parse(source(cell))))
     assert asserts >= 1, f"{path.name}: no assert statement; back the chapter's claims with asserts"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_records_key_numbers(path):
+    # `./run report` tabulates what each chapter passed to record(); without a call its row is empty.
+    calls = [node for cell in code_cells(load(path)) for node in ast.walk(parse(source(cell)))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "record"]
+    imported = any(isinstance(node, ast.ImportFrom) and node.module == "workbench.course.results"
+                   and any(a.name == "record" for a in node.names)
+                   for cell in code_cells(load(path)) for node in ast.walk(parse(source(cell))))
+    assert calls and imported, (
+        f"{path.name}: no record(...) call; record the chapter's key measured numbers right after "
+        "the asserts they back (from workbench.course.results import record)")
 
 
 # go.Figure directly, plotly express, or a figure helper of workbench.course.viz (named *_figure).

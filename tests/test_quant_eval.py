@@ -18,8 +18,9 @@ WINDOWS, WINDOW_LEN = 2, 128
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """These tests run whole-window prefills. On a shared 2-core machine that is oversubscribed,
-    two intra-op threads wait at every op's barrier for a descheduled thread (measured: a 64-token
-    window 7.5 s with two threads, 0.6 s with one), so the module runs single-threaded."""
+    two intra-op threads wait at every op's barrier for a descheduled thread, which makes a
+    window many times slower than with one thread (`python -m pytest tests/test_quant_eval.py
+    --durations=5` times the tests), so the module runs single-threaded."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -5,6 +5,7 @@ and the HTML renders offline."""
 from __future__ import annotations
 
 import json
+import re
 
 import nbformat
 import pytest
@@ -107,3 +108,72 @@ def test_keep_names_the_file_after_date_device_and_sizes(tmp_path):
     path = report.keep_run(run, tmp_path)
     assert path.name == "2026-11-30-nvidia-h200-full.json"
     assert report.load_kept_runs(tmp_path)[0]["file"] == path.name
+
+
+def math_notebook(path, figure_title: str = r"$\alpha^2$ per step"):
+    """A notebook with math in markdown and LaTeX in a plotly figure's title, with the outputs the
+    report's renderer (plotly_mimetype+notebook) leaves: the figure's JSON, and its HTML with
+    plotly.js inline and plotly's MathJax CDN tag. Not executed: to_html needs no kernel."""
+    import plotly.graph_objects as go
+    import plotly.io as pio
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell(
+        "# Math\nInline $a^2 + b^2 = c^2$, and displayed:\n"
+        "$$\\sum_{i=1}^n i = \\frac{n(n+1)}{2} \\qquad \\boldsymbol{x}$$")]
+    fig = go.Figure(go.Bar(y=[1, 2, 3]), layout_title_text=figure_title)
+    cell = nbformat.v4.new_code_cell("fig")
+    cell.outputs = [nbformat.v4.new_output("display_data", data={
+        "application/vnd.plotly.v1+json": fig.to_plotly_json(),
+        "text/html": pio.to_html(fig, include_plotlyjs=True, include_mathjax="cdn", full_html=False)})]
+    nb.cells.append(cell)
+    nbformat.write(nb, str(path))
+    return path
+
+
+# MathJax from a CDN: nbconvert's tag (2.7.7/latest.js) and plotly's (3.2.2/es5/tex-svg.min.js), both
+# on cdnjs, as are nbconvert's require.js and mermaid. (Plotly.js and MathJax themselves name other
+# CDNs as defaults of features a report never uses, such as geo maps and speech: the browser test
+# checks that the page requests nothing.)
+def names_a_cdn(page: str) -> list[str]:
+    return (re.findall(r"https?://cdnjs\.cloudflare\.com[^\"' ]*", page)
+            + re.findall(r"https?://[^\"' ]*/mathjax[^\"' ]*\.js", page, re.IGNORECASE))
+
+
+def test_report_math_uses_the_installed_mathjax_not_a_cdn(tmp_path):
+    mathjax = report.mathjax_path()           # in the installed django-static-mathjax package
+    assert mathjax.is_file() and mathjax.name == "tex-svg-full.js"
+    package = json.loads((mathjax.parents[1] / "package.json").read_text(encoding="utf-8"))
+    assert package["version"] == "3.2.2"      # the MathJax that plotly's (removed) CDN tag names
+    js = mathjax.read_text(encoding="utf-8")
+    assert "</script" not in js.lower()                       # safe to inline in a <script>
+
+    page = report.to_html(math_notebook(tmp_path / "m.ipynb"), tmp_path / "m.html")
+    assert page == (tmp_path / "m.html").read_text(encoding="utf-8")
+    assert report.offline_problems(page) == []
+    assert names_a_cdn(page) == []
+    assert page.count(js) == 1                                  # MathJax inline, once
+    assert page.count("window.MathJax = {") == 1 and "tags: 'ams'" in page
+
+    # No math in markdown, none in figures: no MathJax at all (the page stays smaller).
+    plain = math_notebook(tmp_path / "plain.ipynb", figure_title="per step")
+    nb = nbformat.read(str(plain), as_version=4)
+    nb.cells[0].source = "# No math here, only $5 once"
+    nbformat.write(nb, str(plain))
+    page = report.to_html(plain, tmp_path / "plain.html")
+    assert report.offline_problems(page) == [] and "window.MathJax = {" not in page
+    assert names_a_cdn(page) == []
+
+    # LaTeX in a figure alone brings MathJax in too (plotly.js typesets with the page's MathJax).
+    nb.cells[1].outputs[0].data["application/vnd.plotly.v1+json"]["layout"]["title"]["text"] = "$x_1$"
+    nbformat.write(nb, str(plain))
+    assert report.to_html(plain, tmp_path / "plain.html").count(js) == 1
+
+
+def test_offline_problems_names_external_scripts_and_modules():
+    page = ('<script src="https://cdnjs.cloudflare.com/x.js"></script>'
+            '<script type="module">const m = await import("https://cdn.jsdelivr.net/m.mjs")</script>')
+    assert report.offline_problems(page) == ["external script https://cdnjs.cloudflare.com/x.js",
+                                             "external module https://cdn.jsdelivr.net/m.mjs"]
+    nbconvert_tag = ('<script src="https://cdnjs.cloudflare.com/ajax/libs/mathjax/2.7.7/latest.js'
+                     '?config=TeX-AMS_CHTML-full,Safe"> </script>')
+    assert names_a_cdn(nbconvert_tag) and names_a_cdn('<script src="https://x.org/mathjax/tex-svg.js">')

@@ -9,7 +9,8 @@ plain array elsewhere. Only a few inner products are written per ISA (the BF16 d
 unpacking), behind `#if defined(WB_ISA_...)` in the sources. The ISA is chosen at run time from the
 CPU's flags (`best_isa()`); `WORKBENCH_ISA=avx2` forces a lower one (tests run the AVX2 build on an
 AVX-512 machine that way). Each ISA builds into its own library (workbench_cpu_<isa>, cached under
-torch's extension folder, about 30 s on 2 cores), and one process loads one of them.
+torch's extension folder; the first build compiles every source, `time python -m workbench.kernels.cpu`
+measures it), and one process loads one of them.
 
 Registered as torch operators:
 

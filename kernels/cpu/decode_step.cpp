@@ -6,17 +6,16 @@
 // query heads is its own, read from its qkv rows, so a model with heads pruned per layer runs
 // fused too.
 //
-// Why: at batch 1 the compiled forward (models/compile.py) spends ~9 ms of a ~12 ms SmolLM2 step
-// reading the weights in the GEMV loops, which is the part memory bandwidth sets. Most of the rest
-// is calling: ~120 GEMV and ~120 fused-kernel calls from Inductor's Python wrapper, 30 attention
-// calls through a Python custom op and the backend, and 336 size asserts (measured with
-// torch.profiler on a 2-core AMD EPYC: the graph's own time 1.5 ms, the attention op's
-// Python 0.4 ms). Here the layer loop is C++ and the small operations between the matmuls are
-// vector loops over a few hundred values, so what remains is the matmuls, the attention kernel and
-// one Python call. llama.cpp runs its whole graph in C the same way. With fp32 activations
-// (SmolLM2-135M, batch 1, 2 threads, medians of 7 pairs, `python -m workbench.bench.cpu_decode_step
-// bf16 int4`): unfused / fused = 1.65x with bf16 and 2.46x with INT4 weights under
-// WORKBENCH_ISA=avx2 (5.5 / 3.9 ms a step), 1.75x and 2.22x under AVX512-BF16.
+// Why: at batch 1 the compiled forward (models/compile.py) spends most of a SmolLM2 step reading
+// the weights in the GEMV loops, which is the part memory bandwidth sets. Most of the rest is
+// calling: a GEMV and a fused-kernel call per projection from Inductor's Python wrapper, 30
+// attention calls through a Python custom op and the backend, and a few hundred size asserts
+// (torch.profiler over a compiled decode step shows each). Here the layer loop is C++ and the
+// small operations between the matmuls are vector loops over a few hundred values, so what
+// remains is the matmuls, the attention kernel and one Python call. llama.cpp runs its whole
+// graph in C the same way. `python -m workbench.bench.cpu_decode_step bf16 int4` measures what it
+// gains with fp32 activations (SmolLM2-135M, batch 1: unfused / fused, medians of alternating
+// pairs; WORKBENCH_ISA picks the build).
 //
 // The arithmetic is the eager model's (workbench/models/llama.py), rounding to bf16 where eager
 // PyTorch rounds: the residual add; RMSNorm in fp32, rounded, times the weight, rounded; rotary as

@@ -5,10 +5,11 @@
 // Why hand-written: at batch 1 a decode step multiplies one activation row by every weight
 // matrix, so its speed is the speed at which the weights stream from memory. PyTorch's bf16
 // `F.linear` for one row goes through a GEMM path built for big batches and streams bf16 weights
-// well below the memory's rate: 6.5 GB/s against 14.5 for its own fp32 path on a 2-core Intel
-// Xeon, 9.7 GB/s of a 37 GB/s copy bandwidth on a 2-core AMD EPYC (`python -m workbench.bench
-// speed`, the eager rows; results/cpu/). These loops do what llama.cpp's CPU dot products do: one
-// pass over each weight row, multiply-added into fp32 accumulators, rows split across threads.
+// well below the memory's rate, on some CPUs slower than its own fp32 path (`python -m
+// workbench.bench speed`: the eager rows' achieved GB/s against the copy bandwidth measured
+// beside them; results/cpu/ keeps committed runs). These loops do what llama.cpp's CPU dot
+// products do: one pass over each weight row, multiply-added into fp32 accumulators, rows split
+// across threads.
 //
 // Portable: the arithmetic is written on wb::Vec (at::vec::Vectorized<float>, isa.h), so one
 // source builds for AVX-512, AVX2 and any other CPU (ARM through ATen's NEON vector). Only a few
@@ -18,19 +19,19 @@
 // Sums are fp32 and a bf16 y is rounded once, as torch's kernels do; only the order of the fp32
 // additions differs (tests bound the difference). INT4 is the one exception, see int4_chunk.
 //
-// Rows: bf16 x runs the loops for M <= kMaxRows and torch's GEMM above (measured over SmolLM2's
-// 120 projections, ms per pass, loop vs torch: M=1 12.3 vs 17.7, M=2 15.5 vs 17.5, M=3 17.9 vs
-// 17.7, M=8 36.3 vs 24.0). fp32 x runs them in tiles of rows (each weight row read once per tile)
-// up to the per-format limits below, measured separately.
+// Rows: bf16 x runs the loops for M <= kMaxRows and torch's GEMM above, where the GEMM overtakes
+// them on SmolLM2's projections (`python -m workbench.bench.cpu_gemv --x bf16 --formats bf16 --rows
+// 1,2,3,8` shows the crossover). fp32 x runs them in tiles of rows (each weight row read once per
+// tile) up to the per-format limits below, measured separately.
 //
 // Why the INT4 and INT8 loops take their shape (python -m workbench.bench.cpu_gemv --formats int4,int8):
 // - INT4 makes operands from the codes with a few integer ops and sums once per row: a row-major
-//   loop with a horizontal sum per group and the codes widened to floats runs 1.9x slower than
-//   aten's _weight_int4pack_mm_for_cpu (2-core Intel Xeon with AVX-512 BF16 and AMX).
+//   loop with a horizontal sum per group and the codes widened to floats is slower than aten's
+//   _weight_int4pack_mm_for_cpu.
 // - INT8 weight-only runs like the bf16 loop (one row at a time, four accumulators, x widened to
-//   fp32 once per call): 26 GB/s on SmolLM2's LM head, the bandwidth roof, against 17 GB/s for
-//   aten's _weight_int8pack_mm (2-core AMD EPYC). Widening each int8 to fp32 (vpmovsxbd, vcvtdq2ps,
-//   vfmadd) reaches only ~10.5 GB/s, no faster than aten's (2-core Intel Xeon).
+//   fp32 once per call): it reads SmolLM2's LM head at about the memory's rate, faster than aten's
+//   _weight_int8pack_mm. Widening each int8 to fp32 (vpmovsxbd, vcvtdq2ps, vfmadd) is no faster
+//   than aten's.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -54,12 +55,11 @@ constexpr int64_t kGrain = 32;         // weight rows per thread task, at least
 constexpr int64_t kBlock = 64;         // weight rows per block, read by every tile of x while in L2
 // fp32 x: the loops run up to these many rows; above, the weight widened to fp32 once and torch's
 // GEMM. (aten's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu take fp32 x in torch 2.13 but
-// ran 14-90x slower than these loops at every M from 1 to 64, so fp32 x never goes to them.)
-// Widen-and-GEMM / loop per call, SmolLM2's layers (LM head), 2 threads, 2-core AMD EPYC, AVX2
-// (python -m workbench.bench.cpu_gemv --x fp32 --vs widened --rows 64,256,512, with these limits raised):
-// bf16 w 1.5-1.8x (3.1x) at M=64, 1.04-1.22x (1.55x) at 256, 0.92-1.09x (1.28x) at 512; fp32 w
-// 1.01-1.21x (2.0x) at M=32, 0.82-0.94x (1.44x) at 64. AVX-512 at M=64 (tiles of 4 rows then):
-// bf16 and fp32 w 1.2-1.8x, int8 1.6-2.6x, int4 1.5-3.6x, LM head 1.7-10.6x.
+// run many times slower than these loops at every M from 1 to 64, so fp32 x never goes to them:
+// `python -m workbench.bench.cpu_gemv --x fp32 --formats int8,int4 --rows 1,16,64`.) Each limit is about
+// where widen-and-GEMM overtakes the loops on SmolLM2's layers, per weight format and ISA
+// (`python -m workbench.bench.cpu_gemv --x fp32 --vs widened --rows 32,64,256,512`, with these limits
+// raised, on the AVX2 and AVX-512 builds).
 constexpr int64_t kMaxRowsFp32Bf16 = 384;
 #if defined(WB_ISA_AVX512)
 constexpr int64_t kMaxRowsFp32Fp32 = 64;
@@ -69,9 +69,9 @@ constexpr int64_t kMaxRowsFp32Fp32 = 32;
 constexpr int64_t kMaxRowsFp32Quant = 64;
 // Rows of x per pass over a block (bf16/fp32/int8 loops): 6 rows x 2 chains = 12 accumulators, of
 // AVX2's 16 registers, while the tile's fp32 rows fit in kTileBytes of L1 (else 4 rows). Tiles of
-// 6 against 4 (python -m workbench.bench.cpu_gemv --x fp32 --formats bf16 --rows 6,16,64 --vs ref
-// --against DIR, DIR holding tiles of 4; 2 AVX2 cores): 1.09-1.32x on SmolLM2's K=576 shapes,
-// 0.93-0.97x on its K=1536 one (36 KB of x per tile), hence the limit.
+// 6 beat tiles of 4 on SmolLM2's K=576 shapes and lose on its K=1536 one (36 KB of x per tile),
+// hence the limit (python -m workbench.bench.cpu_gemv --x fp32 --formats bf16 --rows 6,16,64 --vs ref
+// --against DIR, DIR holding tiles of 4).
 constexpr int64_t kTileDense = 6;
 constexpr int64_t kTileBytes = 24 * 1024;
 constexpr int64_t kTileInt4 = 2;       // rows of x per pass over a block (INT4 loop)
@@ -119,12 +119,11 @@ inline Vec load_w(const int8_t* p) { return wb::load_int8(p); }
 // ------------------------------------------------------------------------------ dense (fp32 x)
 // Rows n0..n1 of W (bf16, fp32 or int8), one row at a time: each thread reads its share of W as
 // one sequential stream, the pattern hardware prefetchers follow best. (Interleaving 4 rows to
-// reuse each load of x runs 19-21 GB/s against 24-26 for one row at a time, on a 2-core AMD EPYC;
-// x is a few KB and stays in L1.) C accumulators per x row hide the FMA latency. finish(m, n,
-// sum) stores the row's fp32 sum. M=1, 1 thread, torch/ours (python -m workbench.bench.cpu_gemv --threads
-// 1 --formats bf16,fp32,int8): fp32 x, bf16 w 1.3-1.6x the fp32 F.linear on AVX2 and 1.9-2.6x on
-// AVX-512 (LM head 4.2x / 4.7x), fp32 w 1.2-1.3x / 1.3-1.7x (LM head 2.4x / 2.7x), int8 w 14-19x /
-// 20-35x aten's int8 kernel with fp32 x; bf16 x, int8 w 1.2-1.3x / 1.1-1.3x (LM head 2.1x / 1.8x).
+// reuse each load of x streams slower than one row at a time: x is a few KB and stays in L1
+// anyway.) C accumulators per x row hide the FMA latency. finish(m, n, sum) stores the row's fp32
+// sum. At M=1 it beats torch's equivalent for every weight format and activation dtype, the LM
+// head most (python -m workbench.bench.cpu_gemv --threads 1 --formats bf16,fp32,int8 --x fp32,bf16
+// prints torch/ours per shape).
 template <int M, int C, class T, class Finish>
 void dense_rows(const float* x, const T* w, int64_t K, int64_t n0, int64_t n1,
                 const Finish& finish) {
@@ -210,9 +209,9 @@ inline __m512 dot_bf16(__m512 acc, const bf16* a, const bf16* b, __mmask32 mask)
   return _mm512_dpbf16_ps(acc, (__m512bh)va, (__m512bh)vb);
 }
 
-// vdpbf16ps multiplies 32 bf16 pairs and adds them into 16 fp32 lanes: x stays bf16, no widening.
-// gate_up, 1 thread: 45.8 us, against 50.7 for the dense loop on the avx512 build, 106.7 for torch's
-// bf16 F.linear (python -m workbench.bench.cpu_gemv --x bf16 --formats bf16 --threads 1).
+// vdpbf16ps multiplies 32 bf16 pairs and adds them into 16 fp32 lanes: x stays bf16, no widening,
+// which beats both the dense loop of the avx512 build and torch's bf16 F.linear (python -m
+// workbench.bench.cpu_gemv --x bf16 --formats bf16 --threads 1, on each build via WORKBENCH_ISA).
 template <int M>
 void bf16_rows(const bf16* x, const bf16* w, bf16* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   constexpr int64_t kStep = 32 * kChains;
@@ -323,7 +322,7 @@ void prepare_int4_x(const X* x, int64_t M, int64_t Kx, int64_t K, int64_t gs, bo
         out.xs[m * C + c] = amax / 32767.f;
         int16_t* q = out.q.data() + m * Kp + c * kChunk;
         for (int i = 0; i < kChunk; i++) {   // to nearest, in a loop the compiler vectorizes
-          const float r = v[i] * inv;        // (std::nearbyint, a libm call: 3 us a call at K=576)
+          const float r = v[i] * inv;        // (std::nearbyint is a libm call per element)
           q[i] = static_cast<int16_t>(r + (r >= 0.f ? 0.5f : -0.5f));
         }
       }
@@ -338,10 +337,11 @@ void prepare_int4_x(const X* x, int64_t M, int64_t Kx, int64_t K, int64_t gs, bo
 // The integer product of one chunk of codes with x as int16, for M rows of xq (K apart): d[m]
 // gets lanes whose sum is sum_k xq[m][k] q_k, as fp32. vpmaddwd multiplies 16-bit codes by 16-bit
 // x and adds pairs into 32-bit lanes, exactly. The price: x is rounded to 16 bits per chunk
-// (|error| <= max|x| / 65534 per element), far below bf16's 8 bits. AVX2, 1 thread, 3072 x 640
-// codes: 39.7 us, against 80.4 for codes widened to fp32 with fp32 x and 29.1 for llama.cpp's int8
-// x (vpmaddubsw), whose x rounding errs ~250x more (kernels/cpu/bench_int4_avx2.cpp says how).
-// AVX-512 on a 2-core AMD EPYC (Zen 4 runs 512-bit ops as two 256-bit halves) is no faster.
+// (|error| <= max|x| / 65534 per element), far below bf16's 8 bits. It is faster than codes
+// widened to fp32 with fp32 x, and slower than llama.cpp's int8 x (vpmaddubsw), whose x
+// rounding errs ~258x more (a step of max|x| / 127 against max|x| / 32767):
+// kernels/cpu/bench_int4_avx2.cpp times all three. AVX-512 gains nothing on CPUs that run
+// 512-bit ops as two 256-bit halves (Zen 4).
 #if defined(WB_ISA_AVX512)
 template <int M>
 inline void int4_chunk(const uint8_t* w, const int16_t* xq, int64_t K, Vec* d) {
@@ -439,10 +439,9 @@ inline void int4_chunk_lanes(const uint8_t* w, const int16_t* xq, int64_t K, Vec
 
 // Rows n0..n1 of the codes for M rows of prepared x: per chunk, the integer product scaled by
 // scale_g * xs (one FMA per chunk), one horizontal sum per row; minimum_g S_g added at the end.
-// fp32 x, M=1, 1 thread, AVX2 (WORKBENCH_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 python -m
-// workbench.bench.cpu_gemv --x fp32 --formats int4 --threads 1): gate_up 40 us, 2.4x the fp32 F.linear's
-// 98 us, 73x aten's _weight_int4pack_mm_for_cpu with fp32 x (4.2x aten's with bf16 x); 28-78x aten's
-// on every SmolLM2 shape, on AVX-512 too.
+// With fp32 x at M=1 it beats the fp32 F.linear and, by far, aten's _weight_int4pack_mm_for_cpu
+// with fp32 x, on every SmolLM2 shape and on AVX-512 too (WORKBENCH_ISA=avx2
+// ATEN_CPU_CAPABILITY=avx2 python -m workbench.bench.cpu_gemv --x fp32,bf16 --formats int4 --threads 1).
 template <int M, class Sc, class Finish>
 void int4_rows(const Int4X& xp, int64_t m0, const uint8_t* w, const Sc* scale, const Sc* minimum,
                int64_t K, int64_t gs, int64_t n0, int64_t n1, const Finish& finish) {
@@ -592,10 +591,10 @@ void int4_rows_small(const Int4X& xp, int64_t m0, const uint8_t* w, const Sc* sc
 // into bf16 lanes that vdpbf16ps multiplies with x directly, products exact:
 //   D_g = sum_{k in g} x_k (128 + q_k) - 128 S_g.
 // D_g stays a 16-lane vector scaled into the row's accumulator: one horizontal sum per row.
-// (Widening bytes to words first, vpmovzxbw, runs ~8.5 cycles per 64 codes; this ~40% fewer
-// instructions.) Output bf16 only. As fast as the int16 loop on a 2-core AMD EPYC (gate_up 41.3 vs
-// 41.0 us, --x bf16 --formats int4 --threads 1 on the avx512bf16 and avx512 builds) and exact for
-// bf16 x, so bf16 x keeps it; 1.3-1.4x aten's bf16 kernel on gate_up, down and the LM head.
+// (Widening bytes to words first, vpmovzxbw, takes more instructions per 64 codes.) Output bf16
+// only. About as fast as the int16 loop and exact for bf16 x, so bf16 x keeps it; faster than
+// aten's bf16 kernel on gate_up, down and the LM head (python -m workbench.bench.cpu_gemv --x bf16
+// --formats int4 --threads 1, on the avx512bf16 and avx512 builds).
 template <int M, class Sc>
 void int4_rows_bf16(const Int4X& xp, int64_t m0, const uint8_t* w, const Sc* scale,
                     const Sc* minimum, bf16* y, int64_t N, int64_t K, int64_t gs, int64_t n0,

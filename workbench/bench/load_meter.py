@@ -1,9 +1,10 @@
 """How busy the machine was with *other* programs while we timed something.
 
 On a shared machine with few cores (2 in CI, Binder's 1-2) a busy neighbour makes every timing
-slower and noisier: with torch's threads on oversubscribed cores operators slow unevenly, 10x and
-more. The chapters time things and assert claims about the timings; they assert them only when
-the machine was quiet, and otherwise say how busy it was, so a learner knows to rerun.
+slower and noisier: with torch's threads on oversubscribed cores operators slow unevenly, by far
+more than the share of the CPU the neighbour takes (`note()` says how busy it was). The chapters
+time things and assert claims about the timings; they assert them only when the machine was
+quiet, and otherwise say how busy it was, so a learner knows to rerun.
 
     meter = LoadMeter().start()
     ... timed work ...

@@ -91,9 +91,10 @@ def kv_capacity(requests, budget_tokens: int, block_size: int, max_model_len: in
 def alternating_pairs(llm: LLM, hf, requests, pairs: int,
                       batch_size: int = 8) -> list[tuple[dict, dict]]:
     """`pairs` (engine run, transformers run) pairs, the engine first in even pairs and second in
-    odd ones. A shared cloud machine changes speed by up to 20% from one minute to the next, so
-    only the ratio within a pair means anything, and alternating the order cancels a drift inside a
-    pair."""
+    odd ones. A shared cloud machine's speed drifts from one minute to the next (`python -m
+    workbench.bench speed` measures the copy bandwidth before every row and saves its range as
+    copy_bandwidth_range_gbs), so only the ratio within a pair means anything, and alternating the
+    order cancels a drift inside a pair."""
     out = []
     for i in range(pairs):
         if i % 2 == 0:

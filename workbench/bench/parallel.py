@@ -9,8 +9,9 @@ The expert-parallel rows compare against the single-process MoE model (moe_confi
     python -m workbench.bench parallel [--layouts tp3 pp2 pp3 tp3xpp1 ep2] [--batch 8]
                                        [--new-tokens 32] [--repeats 2] [--json out.json]
 
-On a CPU, workers share its cores and gloo all-reduces cost ~1 ms each: expect ratios below 1.
-The point of the run is the split between compute and communication, not a speedup.
+On a CPU, workers share its cores and every gloo all-reduce costs a round trip between processes
+(this run's share of time in collectives says how much): expect ratios below 1. The point of the
+run is the split between compute and communication, not a speedup.
 """
 from __future__ import annotations
 

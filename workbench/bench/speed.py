@@ -104,8 +104,8 @@ def ladder(model: str = "smollm2-135m", new_tokens: int = 128, repeats: int = 3,
         _once(kind, runner, prompt_ids, 8)
     runs = {label: [] for label in runners}
     # The copy bandwidth is measured right before every engine row's run, and each run's achieved
-    # bandwidth is compared with its own: a shared VM's memory bandwidth moves within seconds (30
-    # to 56 GB/s seen on the AMD VM within one round of this ladder), so one measurement per round
+    # bandwidth is compared with its own: a shared VM's memory bandwidth moves within seconds (this
+    # run's JSON keeps the range it saw as copy_bandwidth_range_gbs), so one measurement per round
     # could be from the other mode than the row it is compared with.
     bandwidths = {label: [] for label, (kind, _) in runners.items() if kind == "engine"}
     for _ in range(repeats):
@@ -158,9 +158,10 @@ def offline(model: str = "smollm2-135m", num_requests: int = 64, pairs: int = 2)
     default engine.
 
     Each comparison runs in `pairs` alternating pairs (A first, then B first, ...) and its ratio is
-    the median of the pairs' ratios: a shared 2-core VM changes speed by up to 20% from one minute
-    to the next, so two runs minutes apart would measure that, not the engine. "engine" and
-    "transformers" keep the first pair's run records, with tok_s the median over pairs."""
+    the median of the pairs' ratios: a shared 2-core VM's speed drifts from one minute to the next
+    (copy_bandwidth_range_gbs in this run's JSON shows how far), so two runs minutes apart would
+    measure that, not the engine. "engine" and "transformers" keep the first pair's run records,
+    with tok_s the median over pairs."""
     from transformers import AutoModelForCausalLM
 
     requests = make_requests(num_requests)

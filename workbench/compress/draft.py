@@ -20,7 +20,9 @@ transformers `LlamaForCausalLM` on CPU in minutes:
 The folder written (fp32 safetensors, config.json with the target's special ids and rope, its
 generation config and tokenizer files) loads in `LLM(model=folder)` and in transformers. Training
 runs on the CPU, whatever the target's device: under bf16 autocast where the CPU multiplies bf16
-natively (2.5x faster matmuls than fp32 with AVX-512 BF16 / AMX), in fp32 elsewhere.
+natively (AVX-512 BF16 / AMX, where bf16 matmuls beat fp32 ones: `python -m timeit -s "import
+torch; w = torch.randn(2048, 2048, dtype=torch.bfloat16)" "w @ w"`, then with torch.float32), in
+fp32 elsewhere.
 """
 from __future__ import annotations
 
@@ -48,8 +50,8 @@ TOKENIZER_PREFIXES = ("tokenizer", "special_tokens", "chat_template", "added_tok
 DROPPED_KEYS = ("_name_or_path", "_model_name_or_path", "workbench_source", "quantization_config",
                 "transformers_version")
 # Learning-rate factor of the PCA-initialised tied embedding: at the full rate it memorises the
-# few thousand training tokens and loses the target's geometry (200-step runs of the defaults:
-# 21.5% held-out agreement at 0.1, 18.0% at 1.0).
+# few thousand training tokens and loses the target's geometry, and the held-out agreement drops
+# (distill_draft's history holds it: run the defaults with this at 0.1 and at 1.0).
 EMBED_LR_SCALE = 0.1
 
 
@@ -63,9 +65,9 @@ class DistillConfig:
     num_prompts: int = 64          # target generations used as training data
     prompt_len: int = 32           # prompt tokens, cut from the calibration part of CPython's docs
     gen_len: int = 96              # tokens the target generates greedily after each prompt
-    steps: int = 200               # (asked 300 x 16: 3x slower; agreement plateaus by ~150 x 8)
+    steps: int = 200               # agreement plateaus before this at batch 8 (the history shows)
     batch_size: int = 8
-    lr: float = 3e-3               # (1e-2 measured worse: 12% agreement against 24%)
+    lr: float = 3e-3               # a higher rate ends lower in held-out agreement (the history)
     kl_weight: float = 0.5         # loss = (1-w) * CE(greedy token) + w * KL(target top-k || draft)
     top_k_logits: int = 64         # target logits kept per position for the KL term (memory)
     eval_every: int = 50
@@ -109,9 +111,10 @@ def target_generations(llm, num_prompts: int, prompt_len: int, gen_len: int,
                        part: str = "calibration", seed: int = 0) -> list[list[int]]:
     """Prompt + greedy continuation (exactly gen_len tokens: EOS ignored) for `num_prompts`
     windows of `prompt_len` tokens of one part of the docs text, all in ONE `llm.generate` call so
-    the engine batches them continuously (an LLM built with a larger max_num_seqs, e.g. 32, makes
-    this ~2x faster on CPU). Held-out windows are the part's first ones, calibration windows a
-    choice seeded by `seed`."""
+    the engine batches them continuously (an LLM built with a larger max_num_seqs, e.g. 32,
+    decodes more of them per step, which is faster on CPU too: `python -m workbench.bench
+    offline-mixed` measures what batching gains). Held-out windows are the part's first ones,
+    calibration windows a choice seeded by `seed`."""
     if part not in ("calibration", "heldout"):
         _invalid("part", part, "allowed values are 'calibration', 'heldout'")
     for name, value in (("num_prompts", num_prompts), ("prompt_len", prompt_len),
@@ -191,8 +194,9 @@ def init_draft(config: dict, target_embedding: torch.Tensor, seed: int):
         # With transformers' final-norm weight of 1 the initial logits are huge: the residual
         # stream starts as the input token's own embedding, which the tied head then predicts
         # with a logit of ~30: an initial loss of ~24 nats, twice uniform's ln V = 10.8. Scaled
-        # so that this logit is ~ln V (0.35 for the defaults), the initial loss is ~10; 200-step
-        # runs reach 24.7% held-out agreement with 0.3 against 21.5% with 1.
+        # so that this logit is ~ln V (0.35 for the defaults), the initial loss is ~10, and
+        # training ends at a higher held-out agreement than from a weight of 1 (distill_draft's
+        # history holds it).
         draft.model.norm.weight.fill_(math.log(emb.shape[0]) / (
             emb.shape[1] ** 0.5 * emb.norm(dim=1).mean().item()))
     draft.tie_weights()
@@ -220,12 +224,14 @@ class SoftTargetHead(torch.autograd.Function):
     sparse targets t (indices, weights; each row's weights sum to 1).
 
     With t = (1-w) onehot(greedy) + w p_teacher this is (1-w) CE + w KL(teacher || draft) less
-    the teacher's (constant) entropy term. The LM head and its softmax over 49152 tokens are >90%
-    of a step, and under autograd a dozen full-vocabulary fp32 passes (casts, logsumexp, the
-    gathers' zero-filled gradients) cost 3x the matmuls. Here dL/dz = softmax(z) - t is formed in
-    the forward pass in bf16 (the softmax kernel accumulates in fp32 and rounds once: the 2^-9
-    relative error autocast already puts on every activation), t is subtracted at its few
-    indices, and both backward matmuls run at once, by row chunks that bound memory."""
+    the teacher's (constant) entropy term. The LM head and its softmax over 49152 tokens are most
+    of a step (the head's weights outnumber the small draft's layers'), and under autograd a dozen
+    full-vocabulary fp32 passes (casts, logsumexp, the gathers' zero-filled gradients) cost more
+    than the matmuls themselves (torch.profiler over one training step shows both). Here
+    dL/dz = softmax(z) - t is formed in the forward pass in bf16 (the softmax kernel accumulates
+    in fp32 and rounds once: the 2^-9 relative error autocast already puts on every activation),
+    t is subtracted at its few indices, and both backward matmuls run at once, by row chunks that
+    bound memory."""
 
     @staticmethod
     def forward(ctx, h, weight, target_idx, target_w):
@@ -239,7 +245,9 @@ class SoftTargetHead(torch.autograd.Function):
             ti, tw = target_idx[s:s + chunk], target_w[s:s + chunk]
             g = torch.softmax(z, dim=-1)
             # The softmax at the argmax is 1 / sum exp(z - max), so lse = max - log(max softmax)
-            # (amax: bf16 max-with-index, argmax and scatter are 5-10x slower, unvectorised).
+            # (amax: bf16 max-with-index, argmax and scatter run unvectorised, several times
+            # slower: `python -m timeit -s "import torch; z = torch.randn(512, 49152,
+            # dtype=torch.bfloat16)" "z.max(-1)"`, then "z.amax(-1)").
             lse = z.amax(-1).float() - g.amax(-1).float().log()
             total += (lse - (tw * z.gather(-1, ti).float()).sum(-1)).sum().double()
             del z

@@ -40,26 +40,19 @@ genuinely smaller and every kernel does less work (unstructured zeros save nothi
   arXiv 1910.07467), which divides by its RMS, so what a head changes downstream is its
   contribution relative to the stream, and SmolLM2's stream grows from size 3 entering layer 0 to
   ~1500 from layer 12 on (the massive activations of Sun et al., 2024, arXiv 2402.17762).
-  Absolute scores would take 2 of every 3 heads in the first ten layers first: held-out
-  perplexity 437 at ratio 0.25, against 38 with the division and 41 with r_l equal across layers
-  (4 x 256 tokens, 8 calibration windows). A ratio that would empty a group (more than 1 - 1/g
-  of the heads) is refused.
+  Absolute scores would take 2 of every 3 heads in the first ten layers first, which costs far
+  more held-out perplexity than the division does (tests/test_head_pruning.py bounds it on
+  SmolLM2). A ratio that would empty a group (more than 1 - 1/g of the heads) is refused.
 
-  On SmolLM2-135M (9 query heads in 3 KV groups, 30 layers; `python -m workbench.bench compress
-  --variants dense heads-0.25 heads-0.5 --repeats 7`: default dtype, 32 calibration windows of 256
-  tokens, 16 held-out windows of 256 tokens, 2-core AMD EPYC, AVX2 kernels, fused decode step):
-
-      ratio  query heads per layer (0-29)                          ppl   mean KL  b1 x  b16 x
-      0      9 everywhere (270)                                    17.8  0        1.00  1.00
-      0.25   9 x 12, 3 3 3 3 3 3 3 6 3 6 3 9 9 3 6 9 9 9 (201)      38.4  0.81     1.08  1.04
-      0.5    9 9 9 3 3 6 6 3 9 6 9 9, 3 x 18 (135)                   421   3.17     1.16  1.10
-
-  (b1 / b16 x: decode tokens/s at batch 1 and 16 over the dense engine's, medians of alternating
-  rounds; a separate 9-round batch-1 timing gives 1.01x and 1.07x, the spread of this shared
-  machine.) A head is 2 x 64 x 576 weights (its query rows and o_proj columns), so ratio 0.25
-  removes 3% of the parameters and of the bytes a decode step reads, plus a quarter of the
-  decode attention's query work; the KV cache is unchanged. Channels and layers buy more speed
-  per unit of perplexity on this model (see results/README.md's compression table).
+  On SmolLM2-135M (9 query heads in 3 KV groups, 30 layers), `python -m workbench.bench compress
+  --variants dense heads-0.25 heads-0.5 --repeats 7` measures which query heads each layer keeps,
+  the held-out perplexity and mean KL, and decode tokens/s at batch 1 and 16 over the dense
+  engine's (medians of alternating rounds; results/README.md keeps the committed runs). A head is
+  2 x 64 x 576 weights (its query rows and o_proj columns), so ratio 0.25 removes 3% of the
+  parameters and of the bytes a decode step reads, plus a quarter of the decode attention's query
+  work; the KV cache is unchanged: a small cut in bytes, and so a small speedup at best. Channels
+  and layers buy more speed per unit of perplexity on this model (results/README.md's compression
+  table).
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ The shape is vLLM's: {"method": ..., "num_speculative_tokens": k, ...method opti
     "layer_skip"      the target's first `draft_num_layers` layers, its final norm and its head;
                       shares the target's KV cache for those layers
     "draft_model"     a separate model with the target's vocabulary, from `model` (a folder or a
-                      registry name; spec/distill.py makes one); its own KV cache
+                      registry name; compress/draft.py makes one); its own KV cache
 """
 from __future__ import annotations
 

@@ -18,7 +18,9 @@ with the controls' starting values (see workbench/course/viz/widgets.py); a cell
 --timeout seconds fails its chapter instead of stalling the whole report.
 
 Plotly figures render offline: PLOTLY_RENDERER=plotly_mimetype+notebook is set before any kernel
-starts, so the first figure of each notebook carries plotly.js inline instead of a CDN link.
+starts, so the first figure of each notebook carries plotly.js inline instead of a CDN link. Math
+renders offline too: a report with math carries MathJax inline, from the django-static-mathjax
+package (see `mathjax_path`), instead of nbconvert's and plotly's CDN tags.
 """
 from __future__ import annotations
 
@@ -110,28 +112,93 @@ def describe_hardware() -> dict:
 
 
 # The report must read offline. nbconvert's lab template loads require.js (only the embedded-widget
-# manager needs it; widget state is not stored) and MathJax (only math in markdown needs it) from a
-# CDN; plotly's notebook renderer adds a MathJax 3 CDN tag to each figure (only LaTeX in a figure
-# needs it). Plotly.js itself is inlined by the renderer, once per notebook.
+# manager needs it; widget state is not stored), MathJax 2 (for math in markdown) and mermaid (only
+# diagrams need it) from a CDN; plotly's notebook renderer adds a MathJax 3 CDN tag to each figure
+# (only LaTeX in a figure needs it). Plotly.js itself is inlined by the renderer, once per notebook.
+# So require.js is left out, and mermaid too unless a markdown cell draws a diagram (no chapter does;
+# offline_problems names that CDN), plotly's MathJax tag is removed, and a report with math
+# (in markdown, or as LaTeX in a figure's text) carries MathJax inline: the tex-svg-full component of
+# MathJax 3.2.2 (the version plotly's tag names) from the django-static-mathjax package, pinned in
+# requirements.txt. That component holds every TeX extension and draws SVG, so it loads no other
+# file (no fonts, no autoloaded extensions) and the report stays one self-contained file.
+MATHJAX_PACKAGE = "mathjax"                 # the import name of django-static-mathjax
+MATHJAX_COMPONENT = "static/mathjax/es5/tex-svg-full.js"
+# MathJax 2's settings in nbconvert's template (base/mathjax.html.j2), in MathJax 3's terms; plotly
+# typesets its figures' LaTeX itself, so the page-wide pass leaves figures alone.
+_MATHJAX_CONFIG = """window.MathJax = {
+  tex: {inlineMath: [['$', '$'], ['\\\\(', '\\\\)']], displayMath: [['$$', '$$'], ['\\\\[', '\\\\]']],
+        processEscapes: true, processEnvironments: true, tags: 'ams', useLabelIds: true},
+  options: {ignoreHtmlClass: 'tex2jax_ignore|plotly-graph-div'},
+  svg: {fontCache: 'global'}
+};"""
 _OFFLINE_TEMPLATE = """{%- extends 'lab/index.html.j2' -%}
 {%- block html_head_js_requirejs -%}{%- endblock html_head_js_requirejs -%}
 {%- block jupyter_widgets -%}{%- endblock jupyter_widgets -%}
 {%- block html_head_js_mathjax -%}
-{%- if resources.workbench_needs_mathjax -%}{{ super() }}{%- endif -%}
+{%- if resources.workbench_mathjax_js %}
+<!-- MathJax, inlined from the django-static-mathjax package (workbench.course.report) -->
+<script>
+{{ resources.workbench_mathjax_config }}
+</script>
+<script id="workbench-mathjax">{{ resources.workbench_mathjax_js }}</script>
+{%- endif -%}
 {%- endblock html_head_js_mathjax -%}
+{%- block html_head_js_mermaidjs -%}
+{%- if resources.workbench_needs_mermaid -%}{{ super() }}{%- endif -%}
+{%- endblock html_head_js_mermaidjs -%}
 """
 _PLOTLY_MATHJAX_TAG = re.compile(
     r'<script src="https://cdnjs\.cloudflare\.com/ajax/libs/mathjax/[^"]*/tex-svg\.min\.js"></script>')
 _MATH = re.compile(r"\$[^$\n]+\$|\\\(|\\\[")
+_FIGURE_TEX = re.compile(r"\$[^$]*\$")     # plotly.js typesets a text with $...$ in it
+_MERMAID = re.compile(r"^\s*```\s*mermaid", re.MULTILINE)
 _EXTERNAL_SCRIPT = re.compile(r'<script\b[^>]*\bsrc="((?:https?:)?//[^"]*)"', re.IGNORECASE)
+_EXTERNAL_IMPORT = re.compile(r"""\bimport\s*\(\s*["']((?:https?:)?//[^"']*)["']""")
+
+
+def mathjax_path() -> Path:
+    """The MathJax component that reports inline (from the django-static-mathjax package)."""
+    from importlib.resources import files
+    try:
+        path = Path(str(files(MATHJAX_PACKAGE) / MATHJAX_COMPONENT))
+    except ModuleNotFoundError:
+        path = None
+    if path is None or not path.is_file():
+        raise RuntimeError(
+            f"MathJax ({MATHJAX_COMPONENT} of the {MATHJAX_PACKAGE!r} package) is not installed: "
+            "pip install django-static-mathjax (pinned in requirements.txt; ./run setup installs it)")
+    return path
+
+
+def _strings(value):
+    """Every string inside a JSON value."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+
+
+def _figure_has_tex(nb) -> bool:
+    for cell in nb.cells:
+        for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            figure = out.get("data", {}).get("application/vnd.plotly.v1+json")
+            if figure and any(_FIGURE_TEX.search(s) for s in _strings(figure)):
+                return True
+    return False
 
 
 def _needs_mathjax(nb) -> bool:
-    return any(c.cell_type == "markdown" and _MATH.search(c.source) for c in nb.cells)
+    return (any(c.cell_type == "markdown" and _MATH.search(c.source) for c in nb.cells)
+            or _figure_has_tex(nb))
 
 
 def to_html(notebook_path: Path, html_path: Path) -> str:
-    """Export with code visible and plotly inline; returns the HTML."""
+    """Export with code visible, plotly inline and MathJax inline where there is math; returns
+    the HTML."""
     import jinja2
     import nbformat
     from nbconvert import HTMLExporter
@@ -140,17 +207,22 @@ def to_html(notebook_path: Path, html_path: Path) -> str:
     exporter = HTMLExporter(template_name="lab", template_file="workbench_offline.html.j2",
                             extra_loaders=[jinja2.DictLoader(
                                 {"workbench_offline.html.j2": _OFFLINE_TEMPLATE})])
-    body, _ = exporter.from_notebook_node(
-        nb, resources={"workbench_needs_mathjax": _needs_mathjax(nb)})
+    resources = {"workbench_needs_mermaid": any(
+        c.cell_type == "markdown" and _MERMAID.search(c.source) for c in nb.cells)}
+    if _needs_mathjax(nb):
+        resources["workbench_mathjax_config"] = _MATHJAX_CONFIG
+        resources["workbench_mathjax_js"] = mathjax_path().read_text(encoding="utf-8")
+    body, _ = exporter.from_notebook_node(nb, resources=resources)
     body = _PLOTLY_MATHJAX_TAG.sub("", body)
     html_path.write_text(body, encoding="utf-8")
     return body
 
 
 def offline_problems(body: str) -> list[str]:
-    """What would stop the report from rendering offline: external scripts, or figures drawn
-    without plotly.js inline."""
+    """What would stop the report from rendering offline: external scripts or modules, or figures
+    drawn without plotly.js inline."""
     problems = [f"external script {src}" for src in _EXTERNAL_SCRIPT.findall(body)]
+    problems += [f"external module {src}" for src in _EXTERNAL_IMPORT.findall(body)]
     if "Plotly.newPlot" in body and "plotly.js v" not in body:
         problems.append("figures without plotly.js inline (was PLOTLY_RENDERER set before the kernel?)")
     return problems

@@ -25,8 +25,10 @@ from torch import nn
 from workbench.layers.formats import Int4Weight, Int8Weight, pad_to_groups
 
 # aten's packed INT8 / INT4 CPU kernels accept fp32 activations but are written for bf16/fp16: in
-# fp32 they run 2-17x slower than dequantizing and F.linear from 16 rows on (3072 x 576 layer,
-# 2 threads). fp32 models take the hand-written loops of kernels/cpu instead (models/cpu_gemv.py).
+# fp32 they run slower than dequantizing and F.linear (`python -m workbench.bench.cpu_gemv --x fp32
+# --formats int8,int4 --rows 16,64` times aten's kernels, and with `--vs widened` the dequantized
+# F.linear, each against the same loops). fp32 models take the hand-written loops of kernels/cpu
+# instead (models/cpu_gemv.py).
 FAST_CPU_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -153,7 +155,7 @@ class W8A8Linear(QuantLinear):
 
     def integer_products(self, xq: torch.Tensor) -> torch.Tensor:
         """xq @ w_q^T as fp32 (int8 x int8 products, int32 sums)."""
-        # CPU: the integers multiplied in fp32, exact below 2^24 and 12-21x faster than
+        # CPU: the integers multiplied in fp32, exact below 2^24 and far faster than
         # torch._int_mm there (python -m workbench.bench.cpu_gemv --formats w8a8 --x fp32 --rows 1,256)
         if self.impl == "fast" and xq.is_cuda and xq.shape[0] > 16:
             return torch._int_mm(xq, self.qweight_t).float()

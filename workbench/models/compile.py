@@ -52,9 +52,10 @@ def attention_context(kv_caches, meta, backend, scale: float):
         _step = previous
 
 
-# Defined with torch.library.Library rather than the @custom_op decorator: the decorator's Python
-# wrapper costs ~7 us more per call (measured 11.5 vs 4.4 us for an empty op), and this op runs
-# once per layer per step: 30 calls in a SmolLM2 decode step of ~10 ms.
+# Defined with torch.library.Library rather than the @custom_op decorator: the decorator wraps
+# every call in Python code of its own, and this op runs once per layer per step (30 calls in a
+# SmolLM2 decode step), so that cost is paid 30 times a token (`python -m workbench.course.report
+# notebooks/01_anatomy_of_speed.ipynb` times the compiled step).
 _lib = torch.library.Library("workbench", "DEF")
 _lib.define("attention(Tensor q, Tensor k, Tensor v, int layer) -> Tensor")
 
@@ -79,9 +80,9 @@ def _(q, k, v, layer):
 
 
 # The guards Dynamo checks before every call of the compiled forward. By default it guards
-# everything the trace read: for SmolLM2 about 5,300 checks on the model object (every module,
-# parameter, hook dict and attribute) and on the globals the forward calls, 0.8 ms per decode step
-# in bf16 and 1.2 ms in INT4 (profiled, 2-core AMD EPYC): 7-12% of a step. The engine never
+# everything the trace read: for SmolLM2 thousands of checks on the model object (every module,
+# parameter, hook dict and attribute) and on the globals the forward calls, run before every
+# decode step (TORCH_LOGS=guards lists them; torch.profiler shows their time). The engine never
 # changes the model after building it, so those checks cannot fail; vLLM drops them for the same
 # reason. Kept: the checks that choose between compiled graphs, on the two inputs (dtype, and
 # the token count, since Dynamo compiles a 1-token graph apart from the dynamic one) and the
@@ -89,8 +90,9 @@ def _(q, k, v, layer):
 # default device). Without the input checks a 32-token prefill would run the 1-token graph; with
 # them, it recompiles instead. The price: a model edited after the engine is built (a
 # layer swapped, a weight replaced by another tensor) is not re-traced. A weight of another shape
-# still fails loudly, in the size asserts the compiled code runs on its inputs. Measured: INT4
-# decode 98-102 -> 110-113 tok/s in four separate processes, alternating.
+# still fails loudly, in the size asserts the compiled code runs on its inputs. The gain is in
+# decode tok/s of a compiled engine (`python -m workbench.course.report
+# notebooks/01_anatomy_of_speed.ipynb` times its compiled rows).
 _KEPT_GUARD_TYPES = {"SHAPE_ENV", "GRAD_MODE", "GLOBAL_STATE", "DEFAULT_DEVICE",
                      "TORCH_FUNCTION_STATE"}
 _INPUTS = ("input_ids", "positions")      # the compiled forward's arguments
@@ -124,16 +126,16 @@ class CompiledForward:
         # specialize_float: with dynamic=True Dynamo would also make every Python float it reads a
         # symbolic input, here the 61 RMSNorm eps values. Each one then costs a check in a Python
         # guard function before every step and a runtime argument of the fused kernels. They never
-        # change, so they are compiled in as constants: 1.40x and 1.10x decode tok/s at batch 1
-        # (alternating rounds in one process, the two engines built in either order, compiled
-        # bf16, 2-core AMD EPYC).
+        # change, so they are compiled in as constants, which saves that Python work on every
+        # decode step (chapter 01's report times compiled decode: `python -m
+        # workbench.course.report notebooks/01_anatomy_of_speed.ipynb`).
         # freeze: Inductor's freezing. The weights become constants of the compiled code, and on
         # CPU every linear layer becomes mkldnn::_linear_pointwise over a weight prepacked once
         # into oneDNN's blocked layout. Unfrozen, aten::mm hands oneDNN the plain row-major
-        # weight, which it may reorder on every call: more passes over the weights. Measured on
-        # offline-mixed (compiled bf16, 2-core AMD EPYC, alternating processes): 1.11x and
-        # 1.12x tok/s, decode steps 13.0 vs 15.6 s and 14.7 vs 16.7 s; prefill unchanged. The
-        # price: the packed copy is a second copy of the weights (+268 MiB RSS for SmolLM2 bf16),
+        # weight, which it may reorder on every call: more passes over the weights, on the
+        # batched decode steps of offline-mixed most (`python -m workbench.bench floor` times
+        # aten's linear against the prepacked one on the model's shapes). The price: the packed
+        # copy is a second copy of the weights (the model's weight bytes again in RSS),
         # since the layer-skip drafter's eager forward and later compilations (the one-token graph
         # is compiled at the first decode step) read the originals.
         # (Set around the call, where compilation happens: passed in torch.compile's options it
@@ -166,10 +168,12 @@ class PrepackedLMHead:
     """The LM head as one oneDNN matmul over a weight reordered once into oneDNN's blocked layout
     (what freezing does to every linear layer inside the compiled graph). The head runs outside
     that graph, on only the rows that are sampled, so freezing alone leaves it on aten::mm, which
-    hands oneDNN the row-major weight on every call. SmolLM2's head is 49152 x 576 and ~20% of a
-    decode step's multiply-adds; measured bf16 on a 2-core AMD EPYC: 7.9 -> 5.8 ms at 36 rows,
-    4.1 -> 2.2 ms at 8, bit-identical logits (oneDNN computes both). Costs a second copy of the
-    weight (56 MiB for SmolLM2 in bf16; the embedding keeps reading the original)."""
+    hands oneDNN the row-major weight on every call. SmolLM2's head is 49152 x 576, a fifth of a
+    decode step's multiply-adds, and the reorder saved on every call is a pass over all of it
+    (`python -m workbench.bench floor` times aten's linear against the prepacked one on the
+    model's shapes, the head included); the logits are bit-identical (oneDNN computes both).
+    Costs a second copy of the weight (49152 x 576 x 2 bytes in bf16; the embedding keeps
+    reading the original)."""
 
     def __init__(self, weight: torch.Tensor):
         self.out_features = weight.shape[0]

@@ -4,15 +4,17 @@
 forward differs), for bf16 or fp32 activations:
 - each bias-free bf16 or fp32 `nn.Linear` (the projections, the LM head) to `GemvLinear`;
 - each INT8 weight-only layer (`Int8Linear`: INT8 models, and the LM head of every quantized
-  model) to `Int8GemvLinear`: 26 vs 17 GB/s for aten's `_weight_int8pack_mm` on SmolLM2's head
-  at batch 1 (2-core AMD EPYC; `python -m workbench.bench.cpu_gemv --formats int8,int4`);
+  model) to `Int8GemvLinear`: its loop reads the head's codes at closer to the memory's rate than
+  aten's `_weight_int8pack_mm` at batch 1 (`python -m workbench.bench.cpu_gemv --formats int8,int4`
+  times both);
 - each SmoothQuant layer (`W8A8Linear`) to `W8A8GemvLinear`: the INT8 activations go through the
-  INT8 weight kernel as exact fp32 integers, 12-21x faster than torch._int_mm (2-core AVX2 EPYC);
+  INT8 weight kernel as exact fp32 integers, far faster than torch._int_mm on a CPU
+  (`python -m workbench.bench.cpu_gemv --x fp32 --formats w8a8`);
 - each INT4 layer (`Int4Linear`, an even group size, rows a multiple of 16) to
-  `Int4GemvLinear`: 42-44 vs 59-60 us for aten's `_weight_int4pack_mm_for_cpu` on a 3072 x 576
-  layer at batch 1 (same CPU; both compute-bound, ours on fewer instructions per code); with fp32
-  activations on the AVX2 build, 40 us vs 98 us for the fp32 F.linear and 2.9 ms for aten's
-  kernel, which takes fp32 x but runs 28-78x slower (kernels/cpu/gemv.cpp, int4_rows).
+  `Int4GemvLinear`: both it and aten's `_weight_int4pack_mm_for_cpu` are compute-bound at batch 1,
+  ours on fewer instructions per code; with fp32 activations it also beats the fp32 F.linear,
+  while aten's kernel, which takes fp32 x, runs many times slower (`python -m workbench.bench.cpu_gemv
+  --x fp32,bf16 --formats int4`; kernels/cpu/gemv.cpp, int4_rows).
 The operators run their own loops for a few rows (1-2 for bf16 activations, more for fp32 ones)
 and torch's kernels above that, so prefill and larger batches are unchanged.
 

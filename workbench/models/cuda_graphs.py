@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps: a step's ~400 kernel launches replayed as one.
+"""CUDA graphs for decode steps: a step's hundreds of kernel launches replayed as one.
 
 Why: on a GPU a decode step of a small model is a few hundred tiny kernels (30 layers x norm, three
 GEMMs, rotary, the cache write, two attention phases, SiLU, ...). Each launch costs the CPU a few

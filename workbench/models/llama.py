@@ -182,7 +182,13 @@ class LlamaModel(nn.Module):
         return self.lm_head(hidden).float()
 
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        """The model's logical parameters, each counted once, as its checkpoint (and transformers)
+        counts them. A head tied to the embedding is the embedding's table, whatever copy of it
+        the kernels keep: an fp32 engine over bf16 weights gives the head a bf16 copy of its own
+        (models/cpu_gemv.py: store_weights_bf16), which is not counted again."""
+        tied = self.args.tie_word_embeddings
+        return sum(p.numel() for name, p in self.named_parameters()
+                   if not (tied and name.startswith("lm_head.")))
 
     def weight_bytes(self) -> int:
         """Bytes of weights read per decode step: every matrix once (quantized layers in their

@@ -4,7 +4,8 @@ Every source is first turned into one format, a transformers-style folder (confi
 model.safetensors, tokenizer files), so there is one weight-loading path:
 - a local folder is used as it is;
 - a GGUF file (the embedded default included) is dequantized once by transformers' GGUF reader and
-  saved in the cache, keyed by the file's hash: the first load takes ~20 s, later ones ~1 s;
+  saved in the cache, keyed by the file's hash: the first load dequantizes the whole file, later
+  ones only read the saved folder (`time python -m workbench info`, twice, shows both);
 - 'random:<preset>' writes a seeded random-weight checkpoint once, also in the cache.
 The same folder is what tests hand to transformers, so engine and oracle read identical weights.
 """

@@ -3,7 +3,7 @@ given precision and parallel layout, and how many sequences fit on GPUs of a giv
 from __future__ import annotations
 
 from workbench.plan.architecture import Architecture, architecture
-from workbench.plan.formats import DTYPE_BYTES, KV_DTYPE_BYTES, WEIGHT_FORMATS, linear_bytes
+from workbench.plan.formats import DTYPE_BYTES, DTYPE_NAMES, KV_DTYPE_BYTES, WEIGHT_FORMATS, linear_bytes
 from workbench.plan.plan import GB, MemoryPlan, gb
 from workbench.plan.tensors import Tensor, kv_heads_per_gpu, layer_tensors, outer_tensors
 
@@ -11,7 +11,7 @@ LOGITS_BYTES = 4  # logits are computed in fp32
 
 
 def memory_plan(model: str | Architecture, *, dtype: str = "bf16", weight_format: str | None = None,
-                kv_cache_dtype: str = "bf16", batch: int = 1, context: int = 4096, tp: int = 1,
+                kv_cache_dtype: str = "auto", batch: int = 1, context: int = 4096, tp: int = 1,
                 pp: int = 1, ep: int = 1, gpu_memory_gb: float | None = None,
                 gpu_memory_utilization: float = 0.9,
                 max_num_batched_tokens: int = 8192) -> MemoryPlan:
@@ -19,7 +19,11 @@ def memory_plan(model: str | Architecture, *, dtype: str = "bf16", weight_format
     tp x pp x ep GPUs.
 
     - dtype: activations and every weight that `weight_format` leaves alone (embedding, LM head,
-      norms, routers, biases). weight_format quantizes the projection matrices (formats.py).
+      norms, routers, biases), by any name the engine accepts ("bf16" or "bfloat16", "fp16",
+      "float16" or "half", "fp32", "float32" or "float"); the plan reports the short name.
+      weight_format quantizes the projection matrices (formats.py).
+    - kv_cache_dtype: "auto" (the default, as the engine names it) stores the KV cache in `dtype`;
+      a dtype name, "fp8" or "int8" (one byte per element) stores it in that format.
     - KV cache per token: 2 (K and V) x layers x KV heads x head_dim x element bytes; with MLA one
       latent vector (kv_lora_rank + qk_rope_head_dim) per layer, shared by all heads and kept
       whole on every tensor-parallel rank.
@@ -35,9 +39,9 @@ def memory_plan(model: str | Architecture, *, dtype: str = "bf16", weight_format
     The model's weights only: no CUDA context, no CUDA graphs, no multi-token-prediction module.
     """
     arch = _check_model(model)
-    _check_choice("dtype", dtype, tuple(DTYPE_BYTES))
+    dtype = normalize_dtype(dtype)
     _check_choice("weight_format", weight_format, WEIGHT_FORMATS)
-    _check_choice("kv_cache_dtype", kv_cache_dtype, tuple(KV_DTYPE_BYTES))
+    kv_cache_dtype = normalize_kv_cache_dtype(kv_cache_dtype, dtype)
     for name, value in (("batch", batch), ("context", context),
                         ("max_num_batched_tokens", max_num_batched_tokens)):
         _check_positive(name, value)
@@ -163,6 +167,29 @@ def _check_model(model) -> Architecture:
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def normalize_dtype(dtype) -> str:
+    """The short name ("bf16", "fp16", "fp32") of any dtype name the engine accepts."""
+    if isinstance(dtype, str) and dtype in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype]
+    raise ValueError(f"dtype={dtype!r} is invalid: allowed are "
+                     + ", ".join(repr(name) for name in DTYPE_NAMES))
+
+
+def normalize_kv_cache_dtype(kv_cache_dtype, dtype: str) -> str:
+    """The KV cache's format: "auto" is `dtype` (already normalized), a dtype name its short name,
+    "fp8" and "int8" themselves."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    if isinstance(kv_cache_dtype, str) and kv_cache_dtype in DTYPE_NAMES:
+        return DTYPE_NAMES[kv_cache_dtype]
+    if isinstance(kv_cache_dtype, str) and kv_cache_dtype in KV_DTYPE_BYTES:
+        return kv_cache_dtype
+    quantized = [name for name in KV_DTYPE_BYTES if name not in DTYPE_BYTES]
+    raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is invalid: allowed are 'auto' (the "
+                     f"dtype, here {dtype!r}), " + ", ".join(repr(name) for name in DTYPE_NAMES)
+                     + ", " + ", ".join(repr(name) for name in quantized))
 
 
 def _check_choice(name: str, value, allowed: tuple) -> None:

@@ -12,6 +12,11 @@ from __future__ import annotations
 
 import math
 
+# The engine's dtype names (workbench/config.py DTYPES, LLM(dtype=...)) and the short name each
+# stands for here; memory_plan accepts every one and reports the short name.
+DTYPE_NAMES = {"float32": "fp32", "fp32": "fp32", "float": "fp32",
+               "bfloat16": "bf16", "bf16": "bf16",
+               "float16": "fp16", "fp16": "fp16", "half": "fp16"}
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # FP8 and INT8 KV caches with one scale per tensor (vLLM's kv_cache_dtype="fp8"): one byte each.
 KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1, "int8": 1}

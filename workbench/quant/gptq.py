@@ -20,8 +20,9 @@ implementation's `static_groups=False`); a ragged last group (576 = 4 x 128 + 64
 columns only. With `gptq_act_order=False` columns go in their natural order; the default (True) visits them
 by decreasing H_jj instead, with every group's parameters fixed beforehand from the unquantized
 weights (the reference's act-order with `static_groups=True`; groups stay contiguous, as the
-Int4Weight format requires). On SmolLM2 at group 128 that measured mean KL 0.133 against 0.200
-for the default order (RTN: 0.452).
+Int4Weight format requires). On SmolLM2 at group 128 that gives a clearly lower mean KL than the
+natural order, and both far below RTN's (`python -m workbench.bench quant --methods int4 gptq`
+measures RTN and the default against each other).
 
 Calibration runs *layer by layer* (the reference's sequential mode): the calibration windows pass
 through decoder layer i once per projection, with layers 0..i-1 already quantized, so each layer is
@@ -142,10 +143,10 @@ def get_module(layer: nn.Module, path: str) -> tuple[nn.Module, str, nn.Module]:
 def single_thread():
     """One intra-op thread, restored afterwards (a context manager and a decorator), for GPTQ's
     column loop: hundreds of tiny ops, each of whose parallel regions would wait for a second
-    thread (on a busy 2-core machine one 3072 x 576 matrix takes 30 s with 2 threads, 2.4 s with 1).
-    The forward passes around it are GEMMs and keep torch's threads: with them the whole-model
-    calibration is 1.6-1.8x faster on an idle 2-core AVX2 machine (GPTQ 117 -> 70 s, AWQ 146 ->
-    83 s, SmoothQuant 33 -> 21 s; `LLM(quantization=...)` timed with and without)."""
+    thread, which on a busy machine makes the loop many times slower. The forward passes around
+    it are GEMMs and keep torch's threads, which speeds the whole-model calibration up (`python
+    -m workbench.bench quant --methods gptq awq smoothquant` times the quantized engines' builds,
+    each method's calibration included)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -260,8 +260,9 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
 
     logits is (batch, vocab) float32/bfloat16/float16, on any device (the bitmask is copied there);
     bitmask has at least vocab bits per row. CPU tensors use xgrammar's single-threaded C++ kernel
-    (about 0.1-0.2 ms per row of 49152 tokens here, steady when other work shares the cores), CUDA
-    ones its Triton kernel.
+    (a small, steady share of a decode step even when other work shares the cores: chapter 10's
+    report records the grammar's overhead per step, `python -m workbench.course.report
+    notebooks/10_production.ipynb`), CUDA ones its Triton kernel.
     """
     if len(rows) == 0:
         return

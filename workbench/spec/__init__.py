@@ -51,7 +51,9 @@ def build_drafter(plan: EnginePlan, target, tokenizer, generator):
         if qcfg.method in ("int8", "int4"):
             # Round-to-nearest only reads the weights it replaces, so the copy shares every tensor
             # with the target (embedding, norms, and the projections until each is swapped for
-            # its quantized layer): no second full-precision model, even for a moment.
+            # its quantized layer): no second full-precision model, even for a moment (the
+            # peak RSS of building this draft: `/usr/bin/time -v python -m workbench.bench spec
+            # --drafters quantized_self`).
             model = copy.deepcopy(target.model,
                                   memo={id(t): t for t in shared_tensors(target.model)})
         else:   # calibrated methods rescale weights and norms in place: the draft needs its own
