@@ -132,5 +132,5 @@ def dashboard_figure(panels: Sequence, *, shade: tuple[float, float] | None = No
     _layout(fig, title, "", "", height=230 * rows)
     fig.update_annotations(font_size=11)
     fig.update_xaxes(range=[0, end])
-    fig.update_xaxes(title_text="s since the first scrape", row=rows)
+    fig.update_xaxes(title_text="s since the run started", row=rows)
     return finish_with_top_legend(fig, caption, legend_rows=1)
