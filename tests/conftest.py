@@ -21,7 +21,7 @@ from workbench.models import make_random_checkpoint, resolve_checkpoint
 # End-to-end tests: real servers, worker processes, browsers, other instruction sets' builds, the
 # GPU compiler, the grader's subprocesses. `./run test quick` leaves them (and `slow`) out.
 E2E_FILES = {"test_browser.py", "test_cpu_isa.py", "test_deploy.py", "test_kernels_compile.py",
-             "test_parallel.py", "test_report.py", "test_router_failover.py",
+             "test_parallel.py", "test_prometheus.py", "test_report.py", "test_router_failover.py",
              "test_sequence_parallel.py", "test_serve.py", "test_serve_production.py",
              "test_serve_sampling.py", "test_soak.py"}
 

@@ -326,7 +326,7 @@ def test_shutdown_ends_running_streams_and_says_so(tiny_folder):
 def test_loadgen_against_the_server(server):
     """Poisson arrivals, random lengths; every request completes with its forced length and the
     report's numbers are consistent with each other."""
-    from workbench.serve.loadgen import arrival_gaps, make_requests, run, summarize
+    from workbench.loadtest.loadgen import arrival_gaps, make_requests, run, summarize
     reqs = make_requests(16, "4:24", "2:10", seed=1)
     gaps = arrival_gaps(16, rate=40, burstiness=1.0, seed=1)
     assert sum(gaps) == pytest.approx(16 / 40, rel=0.8)
@@ -422,7 +422,7 @@ def test_router_policies_choose_as_documented():
 def test_percentiles_interpolate_like_vllms_benchmark():
     """Linear interpolation between ranks (np.percentile's default, used by vLLM's serving
     benchmark), not the nearest rank: an even count has a p50 between its two middle values."""
-    from workbench.serve.loadgen import percentiles
+    from workbench.loadtest.loadgen import percentiles
     assert percentiles([2.0, 1.0]) == {"p50": 1.5, "p90": 1.9, "p99": 1.99, "mean": 1.5}
     assert percentiles([1.0, 2.0, 3.0, 4.0])["p50"] == 2.5
     assert percentiles([5.0])["p99"] == 5.0

@@ -11,7 +11,7 @@ import pytest
 
 from test_serve import start_server, stop_server
 from workbench import SamplingParams
-from workbench.serve.soak import CATEGORIES, KIND_WEIGHTS, soak
+from workbench.loadtest.soak import CATEGORIES, KIND_WEIGHTS, soak
 
 KEY = "sk-soak"
 BODY_LIMIT = 4096

@@ -1,7 +1,7 @@
 """python -m workbench.bench soak [--clients 128] [--rounds 5] [--json results/cpu/soak-....json]
 
 Starts a server on SmolLM2-135M (a key, small waiting bounds, a small body limit) as a process of
-its own, runs the soak test of workbench/serve/soak.py against it (good requests mixed with
+its own, runs the soak test of workbench/loadtest/soak.py against it (good requests mixed with
 disconnects, malformed and oversized bodies, wrong keys, invalid parameters, bursts past the
 waiting bound), and reports per round what was completed, rejected by reason, disconnected,
 answered with a clean error, or lost; the KV cache after each round; the server's RSS.
@@ -23,7 +23,7 @@ import time
 import httpx
 
 from workbench.bench.machine import machine_info, measured_commit
-from workbench.serve.soak import soak
+from workbench.loadtest.soak import soak
 
 
 def _free_port() -> int:

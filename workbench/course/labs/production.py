@@ -10,7 +10,7 @@ The references are the engine's own:
 - the bitmask is xgrammar's (the grammar engine of `workbench/sample/grammar.py`), compiled from
   the language's regex over the lab's tiny vocabulary; a pure-Python walk of the language's DFA
   stands in when xgrammar is not importable, and the two are compared when it is;
-- goodput is `loadgen.summarize` (`workbench/serve/loadgen.py`) on `RequestResult`s built from the
+- goodput is `loadgen.summarize` (`workbench/loadtest/loadgen.py`) on `RequestResult`s built from the
   records.
 Each checker runs in well under a second.
 """
@@ -22,7 +22,7 @@ import random
 from workbench.course.labs.core import Mismatch, call, exercise
 from workbench.sample.logits_processors import History, apply_min_p, apply_penalties
 from workbench.sampling_params import SamplingParams
-from workbench.serve.loadgen import RequestResult, summarize
+from workbench.loadtest.loadgen import RequestResult, summarize
 
 CHAPTER = "10_production"
 

@@ -6,7 +6,7 @@ The references are the engine's own, run in this process without a server or a s
   `build_app`), called through httpx's in-process ASGI transport, with a stand-in for the
   AsyncEngine that replays chosen Deltas (text, token ids, finish reason): every byte of the SSE
   body is the server's own serialisation;
-- the timings are the load generator's `send` (`workbench/serve/loadgen.py`), fed that body through an
+- the timings are the load generator's `send` (`workbench/loadtest/loadgen.py`), fed that body through an
   httpx MockTransport and a scripted clock, so its TTFT, ITL, TPOT and e2e are computed by its own
   code from known arrival times;
 - goodput is `loadgen.summarize`.
@@ -22,10 +22,10 @@ import threading
 from types import SimpleNamespace
 
 from workbench.course.labs.core import Mismatch, call, exercise
-from workbench.serve import loadgen
+from workbench.loadtest import loadgen
 from workbench.serve.app import build_app
 from workbench.serve.async_engine import Delta
-from workbench.serve.loadgen import RequestResult, summarize
+from workbench.loadtest.loadgen import RequestResult, summarize
 
 CHAPTER = "08_serving"
 

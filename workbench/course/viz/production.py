@@ -95,7 +95,7 @@ def failover_figure(times: Sequence[float], up: Mapping[str, Sequence[bool]],
 def dashboard_figure(panels: Sequence, *, shade: tuple[float, float] | None = None,
                      constant: Sequence[str] = (), title: str, caption: str,
                      cols: int = 3) -> go.Figure:
-    """deploy/'s Grafana dashboard as a grid: one subplot per time-series panel (serve.dashboard's
+    """deploy/'s Grafana dashboard as a grid: one subplot per time-series panel (loadtest/dashboard.py's
     Panel) on one time axis, seconds drawn in ms, "no data" where a panel has no series (as
     Grafana shows it), series that stay at 0 left out when others in the panel are not. Legend
     names drop the words in `constant` (the model's name, the one instance); a panel's only
@@ -132,5 +132,5 @@ def dashboard_figure(panels: Sequence, *, shade: tuple[float, float] | None = No
     _layout(fig, title, "", "", height=230 * rows)
     fig.update_annotations(font_size=11)
     fig.update_xaxes(range=[0, end])
-    fig.update_xaxes(title_text="s since the first scrape", row=rows)
+    fig.update_xaxes(title_text="s since the run started", row=rows)
     return finish_with_top_legend(fig, caption, legend_rows=1)

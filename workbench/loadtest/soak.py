@@ -2,7 +2,7 @@
 requests with abuse, every request accounted for, and the server checked for leaks after each
 round.
 
-    python -m workbench.serve.soak --url http://127.0.0.1:8000 --api-key KEY --clients 64 \
+    python -m workbench.loadtest.soak --url http://127.0.0.1:8000 --api-key KEY --clients 64 \
         --rounds 3 [--requests-per-client 4 | --duration 30] [--pid PID] [--json out.json]
 
 Each client (asyncio; httpx, and for some requests the `openai` AsyncOpenAI client) draws
@@ -690,7 +690,7 @@ def _round_report(rnd: int, seconds: float, outcomes: list[Outcome], before: str
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m workbench.serve.soak", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m workbench.loadtest.soak", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", required=True)
     ap.add_argument("--api-key")

@@ -2,7 +2,7 @@
 measures (benchmarks/benchmark_serving.py: request throughput, TTFT, TPOT, ITL percentiles,
 goodput under SLOs).
 
-    python -m workbench.serve.loadgen --url http://127.0.0.1:8000 --rate 4 --num-requests 64 \
+    python -m workbench.loadtest.loadgen --url http://127.0.0.1:8000 --rate 4 --num-requests 64 \
         --input-len 32:256 --output-len 16:128 [--burstiness 1] [--slo-ttft 0.5] [--json out.json]
 
 Arrivals: a gamma process with mean 1/rate between requests; burstiness 1 is Poisson, below 1
@@ -184,7 +184,7 @@ def format_summary(s: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m workbench.serve.loadgen", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m workbench.loadtest.loadgen", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--model", default=None)
