@@ -45,9 +45,11 @@ engine then keeps torch's kernels and says so.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import platform
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -105,6 +107,26 @@ def best_isa() -> str:
     return runnable[0]
 
 
+# A build takes a minute at most; a lock this old was left by a build that was killed.
+STALE_LOCK_S = 600
+
+
+def build_directory(isa: str, flags: list[str]) -> Path:
+    """One directory per ISA and version of the sources, flags and torch: checkouts with other
+    sources never rebuild over each other ($WORKBENCH_CACHE, else ~/.cache/workbench)."""
+    digest = hashlib.sha256(torch.__version__.encode() + " ".join(flags).encode())
+    for source in SOURCES + sorted(Path(__file__).parent.glob("*.h")):
+        digest.update(source.read_bytes())
+    root = os.environ.get("WORKBENCH_CACHE") or Path.home() / ".cache" / "workbench"
+    folder = Path(root) / "kernels" / f"{isa}-{digest.hexdigest()[:12]}"
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = folder / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        print(f"[workbench.kernels.cpu] removing {lock}, left by a build that did not finish")
+        lock.unlink(missing_ok=True)       # torch's FileBaton would wait for it forever
+    return folder
+
+
 @functools.lru_cache(maxsize=None)
 def _build() -> str | None:
     """Build and load the operators once per process; None on success, else the reason."""
@@ -117,11 +139,11 @@ def _build() -> str | None:
         # the library resolves to the libgomp torch already loaded (same soname).
         # -fvisibility=hidden: the inline ATen code compiled here with this ISA's flags stays
         # inside this library, never resolving another library's calls.
+        cflags = ["-O3", "-fopenmp", "-fvisibility=hidden",
+                  "-fvisibility-inlines-hidden"] + ISA_FLAGS[isa][1]
         load(name=f"workbench_cpu_{isa}", sources=[str(p) for p in SOURCES],
-             is_python_module=False, verbose=False,
-             extra_cflags=["-O3", "-fopenmp", "-fvisibility=hidden",
-                           "-fvisibility-inlines-hidden"] + ISA_FLAGS[isa][1],
-             extra_ldflags=["-fopenmp"])
+             is_python_module=False, verbose=False, extra_cflags=cflags,
+             extra_ldflags=["-fopenmp"], build_directory=str(build_directory(isa, cflags)))
     except Exception as e:           # a compiler error is a reason to fall back, not to crash
         return f"building kernels/cpu for {isa} failed: {str(e).splitlines()[0][:200]}"
     _register_fakes()
