@@ -102,6 +102,7 @@ def test_report_runs_chapters_and_tabulates_their_numbers(tmp_path, capsys, monk
     assert "timing claims: 1 asserted, 1 skipped for load" in index
     assert "<li>slow beats fast: other programs used 50% of the CPU</li>" in index
     assert index.count("timing claims:") == 3          # this run's chapters; the kept run has none
+    assert "this run asserted 1 and skipped 1 for load" in index
     assert "GPU: NVIDIA H200" in index and "CPU: cpu (" in index
     assert index.count("<tr><th>") == 1 + 3           # the header, then one row per chapter
 

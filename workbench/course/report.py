@@ -335,6 +335,7 @@ def write_index(out_dir: Path, run: dict, kept: list[dict]) -> Path:
         cells = "".join(_chapter_cell(chapters.get(name), i == 0) for i, chapters in enumerate(by_run))
         body.append(f"<tr><th>{title}</th>{cells}</tr>")
     ok = sum(c["status"] == "ok" for c in run["chapters"])
+    asserted, skipped = count([c for ch in run["chapters"] for c in ch.get("claims", [])])
     hw = run["hardware"]
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>Workbench reports</title>
@@ -353,7 +354,8 @@ pre.err {{ white-space: pre-wrap; background: #fff5f5; padding: .5rem; font-size
 torch {html.escape(str(hw.get("torch")))}). Every number below was measured by the chapter itself
 (its <code>workbench.course.results.record</code> calls) in the run named at the top of its column; a
 chapter's page shows how. A timing claim is asserted only when other programs left the machine
-quiet; the skipped ones are named with the share of the CPU others used. Columns after the first are runs kept in the repository
+quiet: this run asserted {asserted} and skipped {skipped} for load (each skipped one is named with
+the share of the CPU others used). Columns after the first are runs kept in the repository
 (<code>results/reports/</code>).</p>
 <table><thead><tr><th>chapter</th>{head}</tr></thead>
 <tbody>
@@ -424,7 +426,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[report] kept this run's results in {keep_run(run)}")
     index = write_index(out_dir, run, load_kept_runs())
     failed = [r.name for r in results if r.status != "ok"]
-    print(f"[report] {len(results) - len(failed)} of {len(results)} chapters ok; index: {index}")
+    asserted, skipped = count([c for r in results for c in r.claims or []])
+    print(f"[report] {len(results) - len(failed)} of {len(results)} chapters ok; timing claims "
+          f"{asserted} asserted, {skipped} skipped for load; index: {index}")
     if failed:
         print(f"[report] failed: {', '.join(failed)}", file=sys.stderr)
         return 1
