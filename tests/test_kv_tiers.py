@@ -279,8 +279,8 @@ def test_smollm2_tokens_with_spills_and_loads_equal_the_plain_engine(tmp_path):
     assert stats["kv_bytes_cpu_to_disk"] > 0 and stats["kv_bytes_disk_to_device"] > 0
 
 
-def test_tier_bench_loads_every_context_block_from_each_tier(tiny_folder, tmp_path):
-    from workbench.experiments.kv_tiers import measure_tier_ttft
+def test_kv_tiers_experiment_loads_every_context_block_from_each_tier(tiny_folder, tmp_path):
+    from workbench.experiments.kv_tiers import measure_tier_ttft, tier_model
     result = measure_tier_ttft([20, 40], model=str(tiny_folder), block_size=4, turn_tokens=4,
                                disk_dir=str(tmp_path), dtype="float32", device="cpu",
                                attention_backend="torch", cpu_gemv=False)
@@ -289,3 +289,16 @@ def test_tier_bench_loads_every_context_block_from_each_tier(tiny_folder, tmp_pa
         assert row["context_tokens"] == n and row["cpu_hit_tokens"] == row["disk_hit_tokens"] == n
         assert min(row["recompute_s"], row["cpu_s"], row["disk_s"]) > 0
         assert row["prefill_s_per_token"] == row["recompute_s"] / (n + 4)
+        # the pool is full of the filler's blocks: each loaded block evicts (spills) one
+        for tier in ("cpu", "disk"):
+            assert row[f"{tier}_loaded_blocks"] == n // 4
+            assert n // 4 <= row[f"{tier}_spilled_blocks"] <= n // 4 + 2, row
+    lengths = sorted({m for m, _ in result["prefill_samples"]})
+    assert lengths == [4, 20, 40, 47] and len(result["prefill_samples"]) == 3 * 2 * 3
+    model = tier_model(result)               # every term fitted from what was measured
+    assert model.block_bytes == 4 * 512 and result["moves"]["block_bytes"] == 4 * 512
+    for tier in ("cpu", "disk"):
+        for kind in ("load", "spill"):
+            m = result["moves"][tier][kind]
+            assert m["fixed_s"] + 4 * 512 / m["bandwidth"] == pytest.approx(m["one_block_s"])
+        assert model.load_s(tier, 40) > model.prefill.seconds(4, cached=40) > 0

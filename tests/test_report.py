@@ -33,6 +33,10 @@ MEASURING = [
     "record('tokens', 1234.0, 'tok/s')",
     "def show(n):\n    go.Figure(go.Bar(y=list(range(n))), layout_title_text=f'n={n}').show()\n"
     "interact(show, n=widgets.IntSlider(value=7, min=1, max=9))",
+    "from workbench.course.claims import timing_claim\n"
+    "class Busy:\n    quiet = lambda self: False\n    current_share = lambda self: 0.5\n"
+    "with timing_claim('fast beats slow'):\n    assert 1 < 2\n"
+    "with timing_claim('slow beats fast', Busy()):\n    assert 2 < 1",
 ]
 
 
@@ -75,7 +79,8 @@ def test_report_runs_chapters_and_tabulates_their_numbers(tmp_path, capsys, monk
                       str(chapters)])
     printed = capsys.readouterr()
     assert rc == 1                                     # two chapters failed, the run went on
-    assert "(1/3) 01_measures cell 5/6: record('ratio'" in printed.out      # cell-by-cell progress
+    assert "(1/3) 01_measures cell 5/7: record('ratio'" in printed.out      # cell-by-cell progress
+    assert "timing claims 1 asserted, 1 skipped for load" in printed.out
     assert "skipping kept results broken.json" in printed.err
 
     run = json.loads((out / "results.json").read_text())
@@ -84,6 +89,8 @@ def test_report_runs_chapters_and_tabulates_their_numbers(tmp_path, capsys, monk
     assert by_name["01_measures"]["numbers"] == [
         {"key": "ratio", "value": 2.5, "unit": "x", "label": "speedup over the peer"},  # SMOKE=True
         {"key": "tokens", "value": 1234.0, "unit": "tok/s", "label": "tokens"}]
+    assert [(c["name"], c["status"]) for c in by_name["01_measures"]["claims"]] == [
+        ("fast beats slow", "asserted"), ("slow beats fast", "skipped for load")]
     assert "claim no longer true" in by_name["02_fails"]["error"]
     assert "timed out" in by_name["03_stuck"]["error"].lower() or \
         "timeout" in by_name["03_stuck"]["error"].lower(), by_name["03_stuck"]["error"]
@@ -93,6 +100,10 @@ def test_report_runs_chapters_and_tabulates_their_numbers(tmp_path, capsys, monk
     index = (out / "index.html").read_text()
     assert "speedup over the peer: <b>2.5x</b>" in index          # this run
     assert "speedup over the peer: <b>7.25x</b>" in index         # the kept GPU run, side by side
+    assert "timing claims: 1 asserted, 1 skipped for load" in index
+    assert "<li>slow beats fast: other programs used 50% of the CPU</li>" in index
+    assert index.count("timing claims:") == 3          # this run's chapters; the kept run has none
+    assert "this run asserted 1 and skipped 1 for load" in index
     assert "GPU: NVIDIA H200" in index and "CPU: cpu (" in index
     assert index.count("<tr><th>") == 1 + 3           # the header, then one row per chapter
 

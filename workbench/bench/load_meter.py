@@ -2,14 +2,19 @@
 
 On a shared machine with few cores (2 in CI, Binder's 1-2) a busy neighbour makes every timing
 slower and noisier: with torch's threads on oversubscribed cores operators slow unevenly, by far
-more than the share of the CPU the neighbour takes (`note()` says how busy it was). The chapters
-time things and assert claims about the timings; they assert them only when the machine was
-quiet, and otherwise say how busy it was, so a learner knows to rerun.
+more than the share of the CPU the neighbour takes (`note()` says how busy it was). The chapters time things and assert claims about the timings; they assert them only when
+the machine was quiet (workbench.course.claims.timing_claim), and otherwise say how busy it was,
+so a learner knows to rerun.
 
     meter = LoadMeter().start()
     ... timed work ...
-    if meter.quiet():
-        assert fast < slow, meter.note()
+    with timing_claim("fast beats slow", meter):
+        assert fast < slow
+
+"Ours" is this process and every process it started: torch.compile's worker processes, a C++
+build, parallel workers, servers. Their CPU counts as ours whether they are still running at the
+end of the window or ended during it (the parent that waited for a process inherits its CPU time
+as `children_user` / `children_system`), so only the rest of the machine counts as others' load.
 
 A chapter that times in several cells calls `meter.check()` at the end of each: it prints a
 warning if others were busy, keeps that share for the next claims' quiet() and note(), and starts
@@ -30,21 +35,48 @@ def _busy(c) -> float:
     return c.user + c.system + getattr(c, "nice", 0.0) + getattr(c, "steal", 0.0)
 
 
+def tree_cpu_seconds(pid: int | None = None) -> float:
+    """CPU seconds of a process and all its descendants over their lives: the running ones' own
+    time plus what each has collected from the children it waited for. A process that ends moves
+    its time into its parent's `children_*` when the parent waits for it, so the sum only grows;
+    a descendant orphaned before it ends (its parent exited without waiting) leaves the tree.
+    Each parent is read before its children: a child that ends between the two reads is missed,
+    never counted twice."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:       # it ended and was reaped between listing and reading
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
 class LoadMeter:
     """The share of all CPU cores that other programs used since start()."""
 
     def start(self) -> "LoadMeter":
         self.t, self.cpu = time.perf_counter(), psutil.cpu_times()
-        self.own = psutil.Process().cpu_times()
+        self.own = tree_cpu_seconds()
         self.checked = None          # the share of the window that check() closed last
         return self
 
-    def share(self) -> float:
+    def seconds(self) -> tuple[float, float, float]:
+        """(wall, ours, others): seconds since start(); CPU seconds of this process tree and of
+        every other program."""
         wall = time.perf_counter() - self.t
-        cpu, own = psutil.cpu_times(), psutil.Process().cpu_times()
-        mine = (own.user - self.own.user) + (own.system - self.own.system)
-        others = _busy(cpu) - _busy(self.cpu) - mine
-        return max(0.0, others) / max(wall * (os.cpu_count() or 1), 1e-9)
+        mine = tree_cpu_seconds() - self.own
+        others = _busy(psutil.cpu_times()) - _busy(self.cpu) - mine
+        return wall, mine, max(0.0, others)
+
+    def share(self) -> float:
+        wall, _, others = self.seconds()
+        return others / max(wall * (os.cpu_count() or 1), 1e-9)
 
     def check(self) -> float:
         """Close the window: warn if other programs were busy, keep their share for quiet() and
@@ -57,13 +89,15 @@ class LoadMeter:
                   "measurements; the timings are slower and noisier than this machine can do")
         return share
 
-    def _current(self) -> float:
+    def current_share(self) -> float:
+        """The share that quiet() and note() judge: the window check() closed last, else the
+        window open now."""
         return self.share() if self.checked is None else self.checked
 
     def quiet(self) -> bool:
-        return self._current() <= QUIET_SHARE
+        return self.current_share() <= QUIET_SHARE
 
     def note(self) -> str:
-        share = self._current()
+        share = self.current_share()
         return (f" (other programs used {share:.0%} of the CPU during the measurement; rerun on a "
                 "quieter machine)") if share > NOTE_SHARE else ""

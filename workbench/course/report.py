@@ -8,7 +8,9 @@ For each chapter, papermill runs the notebook in a fresh `python3` kernel with t
 and DEVICE, and this writes `<out>/<chapter>.ipynb` (with outputs) and `<out>/<chapter>.html` (code
 visible: it is a course). Each chapter's key numbers are the `workbench.course.results.record(...)` calls it
 made; they are collected into `<out>/results.json` (with the hardware, sizes and date) and into the
-results table of `<out>/index.html`: one row per chapter, one column per run. Runs kept in the
+results table of `<out>/index.html`: one row per chapter, one column per run. Each chapter's cell
+also counts its timing claims (`workbench.course.claims.timing_claim`): how many were asserted, and
+which were skipped because other programs kept the machine busy. Runs kept in the
 repository (`results/reports/*.json`, e.g. measured on a GPU; `--keep` adds this run) appear as
 further columns, so CPU and GPU read side by side. A failing chapter is reported and the others
 still run; the exit status is 1 if any failed. Progress is printed cell by cell.
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workbench.memory import PeakMemory
+from workbench.course.claims import SKIPPED, claims_in, count
 from workbench.course.results import format_value, records_in
 from workbench.course.viz.widgets import STATIC_ENV
 
@@ -58,11 +61,13 @@ class ChapterResult:
     html_path: str = ""
     numbers: list = None    # the chapter's workbench.course.results records
     peak_mib: float = 0.0   # the kernel and its child processes, summed PSS
+    claims: list = None     # the chapter's timing-claim outcomes (workbench.course.claims)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "status": self.status, "seconds": round(self.seconds, 1),
                 "started": self.started, "error": self.error[-2000:], "html": self.html_path,
-                "numbers": self.numbers or [], "peak_mib": round(self.peak_mib)}
+                "numbers": self.numbers or [], "peak_mib": round(self.peak_mib),
+                "claims": self.claims or []}
 
 
 def find_notebooks(paths: list[str]) -> list[Path]:
@@ -307,8 +312,10 @@ def run_chapter(notebook: Path, out_dir: Path, smoke: bool, device: str,
         except Exception as exc:  # a report without HTML is still a report
             error = (error + "\n" if error else "") + f"HTML export failed: {exc}"
             status = "failed"
-    numbers = records_in(nbformat.read(str(out_nb), as_version=4)) if out_nb.exists() else []
-    return ChapterResult(name, status, seconds, started, error, html_rel, numbers, peak_mib)
+    executed = nbformat.read(str(out_nb), as_version=4) if out_nb.exists() else None
+    numbers = records_in(executed) if executed else []
+    claims = claims_in(executed) if executed else []
+    return ChapterResult(name, status, seconds, started, error, html_rel, numbers, peak_mib, claims)
 
 
 def run_record(results: list[ChapterResult], smoke: bool, device: str, hardware: dict) -> dict:
@@ -356,6 +363,19 @@ def _run_heading(run: dict, this_run: bool) -> str:
             f"{html.escape(run.get('sizes', '?'))} sizes, {html.escape(label)}</small>")
 
 
+def _claims_line(ch: dict) -> str:
+    """'N timing claims asserted, M skipped for load' and the skipped ones' names and reasons;
+    empty for a kept run whose results have no claims."""
+    if "claims" not in ch:
+        return ""
+    asserted, skipped = count(ch["claims"])
+    names = "".join(f"<li>{html.escape(c['name'])}: {html.escape(c.get('reason', ''))}</li>"
+                    for c in ch["claims"] if c.get("status") == SKIPPED)
+    color = "#9a6700" if skipped else "#57606a"
+    return (f'<div class="claims" style="color:{color}">timing claims: {asserted} asserted, '
+            f'{skipped} skipped for load</div>' + (f'<ul class="skipped">{names}</ul>' if names else ""))
+
+
 def _chapter_cell(ch: dict | None, link: bool) -> str:
     if ch is None:
         return '<td class="none">not run</td>'
@@ -369,7 +389,7 @@ def _chapter_cell(ch: dict | None, link: bool) -> str:
               else ch["status"])
     return (f'<td><span style="color:{color};font-weight:600">{status}</span> '
             f'<small>{ch.get("seconds", 0):.0f} s, peak {ch.get("peak_mib", 0):,.0f} MiB</small>'
-            f'<ul>{rows}</ul>{err}</td>')
+            f'{_claims_line(ch)}<ul>{rows}</ul>{err}</td>')
 
 
 def write_index(out_dir: Path, run: dict, kept: list[dict]) -> Path:
@@ -387,6 +407,7 @@ def write_index(out_dir: Path, run: dict, kept: list[dict]) -> Path:
         cells = "".join(_chapter_cell(chapters.get(name), i == 0) for i, chapters in enumerate(by_run))
         body.append(f"<tr><th>{title}</th>{cells}</tr>")
     ok = sum(c["status"] == "ok" for c in run["chapters"])
+    asserted, skipped = count([c for ch in run["chapters"] for c in ch.get("claims", [])])
     hw = run["hardware"]
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>Workbench reports</title>
@@ -396,6 +417,7 @@ table {{ border-collapse: collapse; width: 100%; }}
 th, td {{ text-align: left; vertical-align: top; padding: .4rem .8rem; border-bottom: 1px solid #d0d7de; }}
 td ul {{ margin: .3rem 0 0 1rem; padding: 0; font-size: .9rem; }}
 td.none {{ color: #8c959f; }}
+div.claims {{ font-size: .85rem; margin-top: .2rem; }}
 pre.err {{ white-space: pre-wrap; background: #fff5f5; padding: .5rem; font-size: .8rem; }}
 </style></head><body>
 <h1>Workbench chapter reports</h1>
@@ -403,7 +425,9 @@ pre.err {{ white-space: pre-wrap; background: #fff5f5; padding: .5rem; font-size
 {html.escape(run["device"])}, {hw.get("memory_gib")} GiB, Python {html.escape(str(hw.get("python")))},
 torch {html.escape(str(hw.get("torch")))}). Every number below was measured by the chapter itself
 (its <code>workbench.course.results.record</code> calls) in the run named at the top of its column; a
-chapter's page shows how. Columns after the first are runs kept in the repository
+chapter's page shows how. A timing claim is asserted only when other programs left the machine
+quiet: this run asserted {asserted} and skipped {skipped} for load (each skipped one is named with
+the share of the CPU others used). Columns after the first are runs kept in the repository
 (<code>results/reports/</code>).</p>
 <table><thead><tr><th>chapter</th>{head}</tr></thead>
 <tbody>
@@ -463,8 +487,9 @@ def main(argv: list[str] | None = None) -> int:
         r = run_chapter(nb, out_dir, args.smoke, args.device, args.timeout, args.progress,
                         label=f"({i}/{len(notebooks)}) {nb.stem}")
         results.append(r)
+        asserted, skipped = count(r.claims or [])
         print(f"[report] ({i}/{len(notebooks)}) {nb.stem}: {r.status} in {r.seconds:.1f} s, "
-              f"peak {r.peak_mib:,.0f} MiB"
+              f"peak {r.peak_mib:,.0f} MiB, timing claims {asserted} asserted, {skipped} skipped for load"
               + (f"\n{r.error.splitlines()[0] if r.error else ''}" if r.status != "ok" else ""),
               flush=True)
     run = run_record(results, args.smoke, device, describe_hardware())
@@ -473,7 +498,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[report] kept this run's results in {keep_run(run)}")
     index = write_index(out_dir, run, load_kept_runs())
     failed = [r.name for r in results if r.status != "ok"]
-    print(f"[report] {len(results) - len(failed)} of {len(results)} chapters ok; index: {index}")
+    asserted, skipped = count([c for r in results for c in r.claims or []])
+    print(f"[report] {len(results) - len(failed)} of {len(results)} chapters ok; timing claims "
+          f"{asserted} asserted, {skipped} skipped for load; index: {index}")
     if failed:
         print(f"[report] failed: {', '.join(failed)}", file=sys.stderr)
         return 1
