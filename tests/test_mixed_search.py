@@ -82,10 +82,10 @@ def test_the_search_is_seeded_and_its_front_is_non_dominated(evaluator):
 def test_a_bytes_cap_keeps_larger_plans_off_the_front(evaluator):
     cap = evaluator.bits(evaluator.uniform("int4-g32")) + 0.01
     result = search(evaluator, 8, "kind", max_bits=cap, seed=0)
-    feasible = [t for t in result.trials if t.bits <= cap]
-    points = [(t.bits, t.kl) for t in feasible]
+    feasible = [(t.bits, t.kl) for t in result.trials if t.bits <= cap]
     # the front is the feasible trials' front, not empty: the all-INT4 plan was tried
-    assert result.front and {(t.bits, t.kl) for t in result.front} == {points[i] for i in pareto(points)}
+    assert result.front
+    assert {(t.bits, t.kl) for t in result.front} == {feasible[i] for i in pareto(feasible)}
     # and the cap kept something off it: a plan over it that the uncapped front would hold
     everything = [(t.bits, t.kl) for t in result.trials]
     assert any(everything[i][0] > cap for i in pareto(everything))
