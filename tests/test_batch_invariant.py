@@ -13,7 +13,7 @@ import torch
 
 from workbench import LLM, SamplingParams
 from workbench.models import make_random_checkpoint
-from workbench.models.batch_invariant import MIN_ROWS, rows_that_differ
+from workbench.models.batch_invariant import MIN_ROWS, make_batch_invariant, rows_that_differ
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
 
@@ -33,6 +33,10 @@ def check_compositions(llm, vocab: int, rounds: int, seed: int):
         at = rng.randrange(len(others) + 1)
         alone = run(llm, [target])[0]
         together = run(llm, others[:at] + [target] + others[at:])[at]
+        # every token with its top-2 logprobs (and the sampled token's, if not among them)
+        tokens, logprobs = alone
+        assert len(tokens) == len(logprobs) == PARAMS.max_tokens
+        assert all(t in d and 2 <= len(d) <= 3 for t, d in zip(tokens, logprobs))
         assert together == alone, (len(target), [len(o) for o in others], at)
 
 
@@ -56,8 +60,18 @@ def test_smollm2_results_do_not_depend_on_the_batch(smollm2_folder, quantization
 
 
 def test_min_rows_covers_the_row_counts_where_this_gemm_changes_its_sums():
+    g = torch.Generator().manual_seed(0)     # the weights and rows rows_that_differ measures
+    w, x = torch.randn(1536, 576, generator=g), torch.randn(64, 576, generator=g)
     for dtype in (torch.float32, torch.bfloat16):
         assert all(m < MIN_ROWS for m in rows_that_differ(dtype)), dtype
+        # the padded layer gives row 0 its 64-row value at every row count, those included where
+        # the plain GEMM does not
+        layer = torch.nn.Linear(576, 1536, bias=False, dtype=dtype)
+        layer.weight.data.copy_(w.to(dtype))
+        assert make_batch_invariant(layer) == 1
+        rows = x.to(dtype)
+        full = layer(rows)[0]
+        assert [m for m in range(1, 64) if not torch.equal(layer(rows[:m])[0], full)] == [], dtype
 
 
 def test_batch_invariant_refuses_what_it_cannot_keep():

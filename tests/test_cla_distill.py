@@ -41,6 +41,7 @@ def test_distillation_trains_only_the_sharing_layers_and_lowers_perplexity(tiny_
                              num_sequences=16, lr=3e-3, eval_windows=2, eval_len=32)
     assert result["trained_layers"] == [i for i, s in enumerate(share) if s != i]
     teacher, student = tiny_llm.engine.model, result["student"]
+    assert len(student.layers) == n
     for i, (a, b) in enumerate(zip(teacher.layers, student.layers)):
         # frozen layers are the engine's own modules; trained ones are copies that moved
         assert (a is b) == (i not in result["trained_layers"]), i

@@ -104,7 +104,8 @@ def test_distillation_resumes_where_it_stopped(smollm2_llm, pruned_student, tmp_
     assert not (tmp_path / "b" / "training_state.pt").exists()   # done: nothing left to resume
     a, _, _ = load_student(tmp_path / "a")
     b, _, _ = load_student(tmp_path / "b")
-    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa and sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 @pytest.mark.parametrize("field, value", [

@@ -222,8 +222,10 @@ def test_engine_tokens_and_logprobs_match_the_torch_backend(tiny_folder):
     ref, _ = run("torch")
     out, steps = run("cpu")
     assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps)
+    assert len(ref) == len(out) == len(PROMPTS)
     for a, b in zip(ref, out):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert len(a.outputs[0].logprobs) == len(b.outputs[0].logprobs) == 12
         for ra, rb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert ra.keys() == rb.keys()
             for t in ra:
@@ -240,6 +242,7 @@ def test_smollm2_greedy_matches_transformers_with_the_cpu_backend(smollm2_folder
     prompts = ["The capital of France is", "Here is a list of three fruits:\n1.",
                "def fibonacci(n):\n", "Once upon a time, in a small village by the sea,"]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32))
+    assert len(outs) == len(prompts)
     hf = hf_model(smollm2_folder)
     tok = llm.get_tokenizer()
     for prompt, out in zip(prompts, outs):

@@ -115,7 +115,7 @@ def test_padding_writes_only_the_scratch_block(tiny_folder):
     # The scratch block is held by the padding entry alone, never by a sequence.
     assert e.blocks.tables[PADDING_OWNER] == [g.scratch_block]
     for s in e.trace:
-        for rid, table in (s.block_tables or {}).items():
+        for rid, table in s.block_tables.items():
             assert rid == PADDING_OWNER or g.scratch_block not in table
     e.blocks.check_invariants()
 

@@ -121,6 +121,7 @@ def test_engine_and_transformers_agree_on_the_draft(result, dtype):
     prompts = ["The with statement is used to wrap the execution of a block",
                "def fibonacci(n):\n    \"\"\"Return"]
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
+    assert len(outs) == len(prompts)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(hf, tok.encode(prompt), 24), prompt
 
@@ -181,6 +182,7 @@ def test_training_is_deterministic_given_the_seed():
         history = train_draft(draft, train, held, lp, idx, cfg, log=lambda *a: None)
         runs.append((history, draft.state_dict()))
     assert runs[0][0] == runs[1][0] and len(runs[0][0]) == 3
+    assert runs[0][1] and runs[0][1].keys() == runs[1][1].keys()
     assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
 
 

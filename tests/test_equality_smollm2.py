@@ -28,6 +28,7 @@ def hf(smollm2_folder):
 def test_greedy_generation_is_token_identical_to_transformers(smollm2_llm, hf):
     tok = smollm2_llm.get_tokenizer()
     outputs = smollm2_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
+    assert len(outputs) == len(PROMPTS)
     for prompt, out in zip(PROMPTS, outputs):
         ids = tok.encode(prompt)
         assert out.prompt_token_ids == ids
@@ -63,6 +64,7 @@ def test_paged_engine_under_pressure_matches_transformers(smollm2_folder, hf):
     prompts = [llm.apply_chat_template([system, {"role": "user", "content": q}])
                for q in questions]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
+    assert len(outputs) == len(prompts)
     for prompt, out in zip(prompts, outputs):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24)
     trace = llm.trace

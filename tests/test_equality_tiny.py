@@ -23,6 +23,7 @@ def test_greedy_tokens_match_transformers(pair):
     llm, hf = pair
     params = SamplingParams(temperature=0, max_tokens=24)
     outputs = llm.generate(PROMPTS, params)  # 6 prompts, 4 at a time: batches mix and change
+    assert len(outputs) == len(PROMPTS)
     for prompt, out in zip(PROMPTS, outputs):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24)
 

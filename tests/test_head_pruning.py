@@ -248,9 +248,13 @@ def test_per_layer_heads_give_the_reference_logits_on_every_path(hand_pruned, pa
     outs = llm.generate(PROMPTS, params)
     if path == "speculative":                   # verifications (k + 1 tokens a sequence) ran
         assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+    assert len(outs) == len(PROMPTS)
     for prompt, out in zip(PROMPTS, outs):
         tokens, ref = reference_greedy(zeroed, prompt, NEW)
         assert list(out.outputs[0].token_ids) == tokens
+        # the first prompt token has no logprobs; every other position has its top 3 at least
+        assert len(out.outputs[0].logprobs) == NEW and len(out.prompt_logprobs) == len(prompt)
+        assert all(len(top) >= 3 for top in out.outputs[0].logprobs + out.prompt_logprobs[1:])
         for t, top in enumerate(out.outputs[0].logprobs):       # decode steps, paged KV
             for token, lp in top.items():
                 assert abs(lp.logprob - ref[len(prompt) + t - 1, token].item()) < 1e-4

@@ -86,6 +86,7 @@ def test_key_bases_are_orthonormal_and_full_rank_changes_nothing(mha, window):
     assert all(w != window for w in calib)            # calibrated on other text
     bases = calibrate_key_bases(model, calib, [4, args.head_dim])
     eye = torch.eye(4)
+    assert len(bases[4]) == args.num_hidden_layers
     for b in bases[4]:
         assert b.shape == (args.num_key_value_heads, args.head_dim, 4)
         assert torch.allclose(b.transpose(1, 2) @ b, eye.expand(b.shape[0], 4, 4), atol=1e-5)

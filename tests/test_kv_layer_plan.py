@@ -84,6 +84,7 @@ def test_mixed_plan_allocates_each_layer_in_its_format(tiny_folder):
     cache, args = llm.engine.cache, llm.engine.model_args
     heads, d = args.num_key_value_heads, args.head_dim          # 4 kv heads of 16
     expected = [(torch.bfloat16, d), (torch.uint8, d + 4), (torch.uint8, d // 2 + 4)]
+    assert len(cache.kv_caches) == len(expected)
     for (k, v), (dtype, width) in zip(cache.kv_caches, expected):
         assert k.dtype == v.dtype == dtype and k.shape == v.shape == (40, heads, width)
     # bytes per token: K and V of every head, each layer in its own row size

@@ -285,6 +285,7 @@ def test_kv_tiers_experiment_loads_every_context_block_from_each_tier(tiny_folde
                                disk_dir=str(tmp_path), dtype="float32", device="cpu",
                                attention_backend="torch", cpu_gemv=False)
     assert result["kv_bytes_per_token"] == 512 and not list(tmp_path.iterdir())
+    assert len(result["rows"]) == 2
     for row, n in zip(result["rows"], (20, 40)):
         assert row["context_tokens"] == n and row["cpu_hit_tokens"] == row["disk_hit_tokens"] == n
         assert min(row["recompute_s"], row["cpu_s"], row["disk_s"]) > 0

@@ -162,6 +162,8 @@ def test_grader_tells_solved_wrong_and_untouched_apart(tmp_path):
         ids = grade.exercises_in(grade.notebook_cells(lab))
         assert by_learner["bob"][ids[0]]["status"] == labs.FAILED
         assert all(by_learner["bob"][i]["status"] == labs.NOT_ATTEMPTED for i in ids[1:])
+    assert set(by_learner["cy"]) == {i for lab in LAB_NOTEBOOKS[-2:]
+                                     for i in grade.exercises_in(grade.notebook_cells(lab))}
     assert all(r["status"] == labs.NOT_ATTEMPTED for r in by_learner["cy"].values())
     assert by_learner["dee"][first_id]["status"] == labs.FAILED
     assert "did not finish within 60 s" in by_learner["dee"][first_id]["message"]
@@ -169,6 +171,7 @@ def test_grader_tells_solved_wrong_and_untouched_apart(tmp_path):
     header, rows = grade.table(grades)
     assert header[0] == "submission" and header[-1] == "passed"
     ada_rows = [r for r in rows if r[0].startswith("ada")]
+    assert len(ada_rows) == len(LAB_NOTEBOOKS)
     assert all(r[-1].split("/")[0] == r[-1].split("/")[1] for r in ada_rows), ada_rows
 
 

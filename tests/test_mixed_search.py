@@ -39,6 +39,7 @@ def evaluator(tiny_folder):
 def test_bits_and_kl_are_those_of_the_quantized_modules(evaluator):
     model = evaluator.model
     names = list(evaluator.names)
+    assert len(names) == 4 * len(model.layers) > 0     # qkv, o, gate_up and down of every layer
     plan = {n: ("int8" if i % 2 else "int4-g32") for i, n in enumerate(names)}
     params = sum(getattr(o, a).weight.numel() for o, a in named_projections(model).values())
     stored = sum(quantized(getattr(o, a), plan[n], torch.float32).weight_bytes()
@@ -72,7 +73,8 @@ def test_the_search_is_seeded_and_its_front_is_non_dominated(evaluator):
         assert t.bits == pytest.approx(evaluator.bits(plan))
     front_points = {(t.bits, t.kl) for t in first.front}
     points = [(t.bits, t.kl) for t in first.trials]
-    assert {points[i] for i in pareto(points)} <= front_points
+    # the front is exactly the trials' non-dominated points (ties on both kept, as Optuna does)
+    assert front_points == {points[i] for i in pareto(points)}
     for b, k in front_points:
         assert not any(b2 <= b and k2 < k or b2 < b and k2 <= k for b2, k2 in points)
 
@@ -80,7 +82,13 @@ def test_the_search_is_seeded_and_its_front_is_non_dominated(evaluator):
 def test_a_bytes_cap_keeps_larger_plans_off_the_front(evaluator):
     cap = evaluator.bits(evaluator.uniform("int4-g32")) + 0.01
     result = search(evaluator, 8, "kind", max_bits=cap, seed=0)
-    assert all(t.bits <= cap for t in result.front)
+    feasible = [(t.bits, t.kl) for t in result.trials if t.bits <= cap]
+    # the front is the feasible trials' front, not empty: the all-INT4 plan was tried
+    assert result.front
+    assert {(t.bits, t.kl) for t in result.front} == {feasible[i] for i in pareto(feasible)}
+    # and the cap kept something off it: a plan over it that the uncapped front would hold
+    everything = [(t.bits, t.kl) for t in result.trials]
+    assert any(everything[i][0] > cap for i in pareto(everything))
 
 
 @pytest.mark.parametrize("kwargs, message", [

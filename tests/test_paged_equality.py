@@ -40,7 +40,7 @@ def run_engine(folder, prompts, arrivals=None, **kwargs):
     while len(ids) < len(prompts) or engine.has_unfinished_requests():
         for i, (p, at) in enumerate(zip(prompts, arrivals)):
             if at == step and i not in ids:
-                ids[i] = engine.add_request(p, params)
+                ids[i] = engine.add_request(p, params, request_id=str(i))
         engine.step()
         engine.blocks.check_invariants()
         step += 1
@@ -48,15 +48,68 @@ def run_engine(folder, prompts, arrivals=None, **kwargs):
     return outputs, engine
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 64])
-def test_chunked_prefill_splits_prompts_oddly_and_changes_nothing(tiny_folder, reference, chunk):
+def chunked_schedule(prompt_lens, output_lens, budget):
+    """The steps the scheduler's rules give requests that all arrive at once and never run out of
+    blocks: running requests first, in arrival order, each taking all its uncomputed tokens or what
+    is left of the step's budget; then waiting requests join while budget is left. A request whose
+    prompt is all computed gets a token, and after its last one it leaves."""
+    waiting, running = list(range(len(prompt_lens))), []
+    uncomputed, sampled = list(prompt_lens), [0] * len(prompt_lens)
+    steps = []
+    while waiting or running:
+        left, step = budget, []
+        for i in running:
+            if left == 0:
+                break
+            step.append((str(i), min(uncomputed[i], left)))
+            left -= step[-1][1]
+        while waiting and left > 0:
+            i = waiting.pop(0)
+            running.append(i)
+            step.append((str(i), min(uncomputed[i], left)))
+            left -= step[-1][1]
+        for rid, n in step:
+            i = int(rid)
+            uncomputed[i] -= n
+            if uncomputed[i] == 0:            # the prompt (or last token) ran: a token is sampled
+                sampled[i] += 1
+                uncomputed[i] = 1
+                if sampled[i] == output_lens[i]:
+                    running.remove(i)
+        steps.append(step)
+    return steps
+
+
+def test_the_reference_schedule_chunks_as_worked_out_by_hand():
+    # Prompts of 44, 21 and 61 tokens, 3 output tokens each, 64 tokens a step: step 1 takes A
+    # whole and 20 of B; step 2 A's decode, B's last prompt token and C whole; A has its 3 tokens
+    # after step 3, B and C after step 4.
+    assert chunked_schedule([44, 21, 61], [3, 3, 3], 64) == [
+        [("0", 44), ("1", 20)],
+        [("0", 1), ("1", 1), ("2", 61)],
+        [("0", 1), ("1", 1), ("2", 1)],
+        [("1", 1), ("2", 1)],
+    ]
+
+
+# Prompts of 44, 21, 61, 36, 57 and 49 tokens (268), 20 output tokens each. Chunk 1: one token a
+# step, 268 + 6 x 19 fed-back tokens = 382 steps. Chunk 64: steps 1-4 take 64, 62, 61 and 60
+# prompt tokens (the running requests' decodes take the rest), the last 21 complete the last prompt
+# in step 5, and its 19 more tokens take 19 more steps: 24.
+@pytest.mark.parametrize("chunk, steps", [(1, 382), (7, 70), (64, 24)])
+def test_chunked_prefill_splits_prompts_oddly_and_changes_nothing(tiny_folder, reference, chunk,
+                                                                   steps):
     prompts, expected = reference
+    assert [len(p) for p in prompts] == [44, 21, 61, 36, 57, 49]
     outputs, engine = run_engine(tiny_folder, prompts, max_num_batched_tokens=chunk,
                                  enable_chunked_prefill=True, block_size=4)
-    assert outputs == expected
-    # Chunks really were split: some step ran a prompt partly, without sampling it.
-    assert max(r.num_prefill_tokens for r in engine.trace) <= chunk
-    assert len(engine.trace) > len(prompts) * 0 + NEW + max(len(p) for p in prompts) // chunk - 1
+    assert outputs == expected and [len(e) for e in expected] == [NEW] * len(prompts)
+    # Step by step, the engine ran exactly the chunks the scheduler's rules give: prompts cut at
+    # the step budget wherever it ends, decodes of running requests before any new prefill.
+    schedule = chunked_schedule([len(p) for p in prompts], [len(e) for e in expected], chunk)
+    assert [r.scheduled for r in engine.trace] == schedule
+    assert len(engine.trace) == steps
+    assert not any(r.num_preempted for r in engine.trace)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

@@ -34,6 +34,7 @@ def assert_same(got, want):
     for g, w in zip(got, want):            # the chosen tokens' logprobs, to fp32 rounding
         lg = [lp[t].logprob for lp, t in zip(g.outputs[0].logprobs, g.outputs[0].token_ids)]
         lw = [lp[t].logprob for lp, t in zip(w.outputs[0].logprobs, w.outputs[0].token_ids)]
+        assert len(lg) == len(lw) == len(w.outputs[0].token_ids) > 0
         assert lg == pytest.approx(lw, abs=1e-4)
 
 

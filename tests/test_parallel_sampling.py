@@ -91,6 +91,7 @@ def test_preemption_and_aborts_leave_no_block_held(tiny_folder):
     tight = small.generate(prompts, params)
     assert sum(r.num_preempted for r in small.engine.trace) > 0
     loose = roomy.generate(prompts, params)
+    assert [len(o.outputs) for o in tight] == [len(o.outputs) for o in loose] == [3, 3]
     for a, b in zip(tight, loose):
         assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
     assert small.engine.blocks.pool.num_used == 0

@@ -297,6 +297,7 @@ def test_generates_with_continuous_batching(quantized, method):
     assert isinstance(layers[-1].mlp.down_proj, QuantLinear)
     before = len(llm.trace)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12))
+    assert len(outs) == len(PROMPTS)
     for prompt, out in zip(PROMPTS, outs):
         text = out.outputs[0].text
         print(f"\n{method}: {prompt!r} -> {text!r}")

@@ -351,6 +351,7 @@ def test_killing_a_replica_mid_burst_loses_no_request(tiny_folder, offline):  # 
         cut = [(r, s) for r, (_, s) in zip(results, burst) if r[0] == "cut"]
         print(f"\nsent {len(burst)}, completed {len(completed)}, cut {len(cut)}; after the kill: "
               f"sent {len(after)}, completed {sum(r[0] == 'completed' for r in late)}")
+        assert len(results) == len(burst) and len(late) == len(after) > 0
         assert len(completed) + len(cut) == len(burst)
         assert cut, "the kill came after every stream on the victim had finished"
         for (outcome, text, replica), (prompt, streamed) in zip(results, burst):

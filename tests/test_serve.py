@@ -161,7 +161,7 @@ def test_logprobs_in_both_formats(client, offline):
     lp = r.choices[0].logprobs
     want = [ref.logprobs[i][t].logprob for i, t in enumerate(ref.token_ids)]
     assert lp.token_logprobs == pytest.approx(want, abs=1e-4)
-    assert all(len(top) == 2 for top in lp.top_logprobs)
+    assert len(lp.top_logprobs) == 5 and all(len(top) == 2 for top in lp.top_logprobs)
     assert "".join(lp.tokens) == r.choices[0].text
     assert lp.text_offset[0] == 0
     c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],

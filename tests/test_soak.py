@@ -67,6 +67,7 @@ def test_every_kind_ends_as_promised(report):
 
 
 def test_after_each_round_nothing_leaks_and_metrics_agree(report):
+    assert len(report.rounds) == 3
     for r in report.rounds:
         assert r.drained, f"round {r.round}: requests still running or waiting on /metrics"
         assert r.kv_cache_usage == 0, f"round {r.round}: KV blocks leaked"
@@ -85,6 +86,7 @@ def test_rss_stays_flat_after_the_first_round(report):
 
 
 def test_references_are_the_offline_engines_greedy_texts(report, tiny_llm):
+    assert report.references
     for entry in report.references:
         body = entry["body"]
         prompt = tiny_llm.apply_chat_template(body["messages"]) \

@@ -58,6 +58,7 @@ def tiny(tiny_folder):
 def test_random_model_outputs_match_regex_choice_and_grammar(tiny, so, check):
     params = SamplingParams(n=6, seed=1, temperature=1.0, max_tokens=48, structured_outputs=so)
     outs = tiny.generate([[5, 6, 7], [9, 8]], params)
+    assert [len(out.outputs) for out in outs] == [6, 6]
     for o in (o for out in outs for o in out.outputs):
         assert o.finish_reason == "stop" and check(o.text), o.text
 
@@ -88,6 +89,7 @@ def test_preemption_and_chunked_prefill_keep_outputs_valid(tiny_folder, tiny):
     tight = small.generate(prompts, params)
     assert sum(r.num_preempted for r in small.engine.trace) > 0
     loose = tiny.generate(prompts, params)
+    assert [len(o.outputs) for o in tight] == [len(o.outputs) for o in loose] == [3, 3]
     for a, b in zip(tight, loose):
         assert [o.text for o in a.outputs] == [o.text for o in b.outputs]
         assert all(re.fullmatch(r"[a-z]{60,90}\.", o.text) for o in a.outputs)

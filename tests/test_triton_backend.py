@@ -56,6 +56,7 @@ def test_sampled_tokens_and_logprobs_match_torch_backend(tiny_folder):
         "the workload should contain a mixed prefill + decode step"
     assert any(s.num_decode_tokens and not s.num_prefill_tokens for s in steps)
     assert any(s.prefix_hit_tokens for s in steps), "the workload should reuse cached blocks"
+    assert len(ref) == len(out) == len(PROMPTS)
     for a, b in zip(ref, out):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         rows_a = logprob_rows(a.prompt_logprobs) + logprob_rows(a.outputs[0].logprobs)

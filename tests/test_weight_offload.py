@@ -80,6 +80,7 @@ def test_a_layout_packs_mixed_dtypes_at_aligned_offsets():
     assert [(off, n) for _, off, n in lay.params] == [(0, 60), (64, 14), (128, 48)]
     assert (lay.weight_bytes, lay.span) == (122, 192)
     flat = lay.pack()
+    assert len(lay.views(flat)) == len(lay.params) == 3
     for (p, _, _), v in zip(lay.params, lay.views(flat)):
         assert v.dtype == p.dtype and torch.equal(v, p.detach())
 
