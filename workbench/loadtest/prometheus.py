@@ -192,7 +192,8 @@ class Prometheus:
         `after`: what the server exported then is what queries now see."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            up = self.query(f'timestamp(up{{job="{self.job}"}} == 1)')
+            # timestamp() gives a sample's time only when applied to a selector itself
+            up = self.query(f'timestamp(up{{job="{self.job}"}}) and up{{job="{self.job}"}} == 1')
             if len(up) == len(self.targets) and all(s.values[0] >= after for s in up):
                 return
             time.sleep(self.interval / 4)
