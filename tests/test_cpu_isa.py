@@ -23,8 +23,10 @@ LOWER = [isa for isa in runnable_isas() if isa != best_isa()]
 @pytest.mark.parametrize("isa", LOWER)
 def test_kernel_tests_pass_on_a_lower_instruction_set(isa):
     env = {**os.environ, "WORKBENCH_ISA": isa}
+    # The torch.compile variants test how the operators enter a graph (their fake kernels), which
+    # does not depend on the ISA: the best build's run of the same files covers them.
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                           "-m", "not slow", *KERNEL_TESTS], cwd=ROOT, env=env,
+                           "-m", "not slow", "-k", "not compiled", *KERNEL_TESTS], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout.splitlines()[-1], done.stdout[-500:]
