@@ -14,7 +14,6 @@ import datetime
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,12 +23,7 @@ import httpx
 
 from workbench.bench.machine import machine_info, measured_commit
 from workbench.loadtest.soak import soak
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from workbench.net import free_port
 
 
 def server_flags(args, key: str, access_log: str) -> list[str]:
@@ -56,7 +50,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     commit = measured_commit()
     key = "sk-soak-" + secrets.token_hex(8)
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "access.jsonl")      # a file: a full stderr pipe would block it
         flags = server_flags(args, key, log)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-import socket
 import time
 import weakref
 from datetime import timedelta
@@ -25,19 +24,15 @@ import torch.multiprocessing as mp
 from workbench.config import EnginePlan
 from workbench.executor.base import StepResult
 from workbench.executor.worker import WorkerSpec, wait_key, worker_main
+from workbench.net import free_port
 from workbench.parallel.comm import merge_stats
 from workbench.parallel.layout import Layout
 from workbench.parallel.pipeline import stage_layers
 from workbench.parallel.tensor import check_tensor_parallel
 
+
 class WorkerDied(RuntimeError):
     pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop(store, next_step: int, procs) -> None:
@@ -78,7 +73,7 @@ class DistributedExecutor:
         self._pending_ops: list = []
         self.procs = procs or []
         if store is None:
-            spec.store_host, spec.store_port = "127.0.0.1", _free_port()
+            spec.store_host, spec.store_port = "127.0.0.1", free_port()
             store = dist.TCPStore(spec.store_host, spec.store_port, None, True,
                                   timeout=timedelta(seconds=60), wait_for_workers=False)
             refuse_start_while_bootstrapping()

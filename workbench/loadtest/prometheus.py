@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 
 import httpx
 import yaml
+
+from workbench.net import free_port
 
 RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "recording_rules.yml"
 INSTALL = ("Install Prometheus: on Debian or Ubuntu `sudo apt-get install prometheus` (it provides "
@@ -63,12 +64,6 @@ class Series:
 
 class PrometheusError(RuntimeError):
     pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Prometheus:
@@ -115,7 +110,7 @@ class Prometheus:
             raise PrometheusError(f"`prometheus` is not on PATH. {INSTALL}")
         self.folder = Path(tempfile.mkdtemp(prefix="workbench-prometheus-"))
         config = self._write_config(self.folder)
-        port = _free_port()
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(self.folder / "prometheus.log", "w+")
         self.proc = subprocess.Popen(
