@@ -11,16 +11,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# pytest-xdist's workers share the cores: with torch's default of one thread per core in every
-# worker, the threads outnumber the cores and each parallel region waits for a descheduled one.
-# So each worker, and every process it starts, gets cores / workers threads (`pytest -n 2
-# tests/test_compress_distill.py tests/test_quant_methods.py tests/test_pruning.py` with and
-# without OMP_NUM_THREADS=1 measures it).
-if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
-    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
-    os.environ["OMP_NUM_THREADS"] = str(_threads)
-    torch.set_num_threads(_threads)
-
 import pytest  # noqa: E402
 
 from workbench import LLM  # noqa: E402

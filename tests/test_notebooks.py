@@ -8,10 +8,14 @@ Every notebooks/*.ipynb
 - records its key numbers for the report: at least one `workbench.course.results.record(...)` call;
 - draws at least one plotly figure (plotly graph_objects or a `workbench.course.viz` figure);
 - ends its arc with "On a GPU" and "Further reading" sections.
+
+And a notebook that `./run test` runs beside the tests (conftest.py: BESIDE_THE_TESTS) makes no
+timing claim and measures no load.
 """
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -136,3 +140,25 @@ def test_chapter_arc_ends_with_gpu_and_reading(path):
                 if line.startswith("#")]
     for wanted in ("on a gpu", "further reading"):
         assert any(wanted in h for h in headings), f"{path.name}: no '{wanted}' section heading"
+
+
+def _root_conftest():
+    path = Path(__file__).resolve().parents[1] / "conftest.py"
+    spec = importlib.util.spec_from_file_location("workbench_root_conftest", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_notebooks_beside_the_tests_assert_no_timing():
+    root = Path(__file__).resolve().parents[1]
+    conftest = _root_conftest()
+    beside = [p for p in sorted(root.glob("notebooks/*.ipynb")) + sorted(root.glob("labs/*.ipynb"))
+              if conftest.runs_beside_the_tests(p.relative_to(root).as_posix())]
+    assert any(p.parent.name == "notebooks" for p in beside), "no chapter runs beside the tests"
+    for path in beside:
+        text = "".join(source(c) for c in code_cells(load(path)))
+        for word in ("timing_claim(", "LoadMeter"):
+            assert word not in text, (f"{path.name} runs beside the tests (conftest.py: "
+                                      f"BESIDE_THE_TESTS) but measures timings ({word})")
+    assert not conftest.runs_beside_the_tests("notebooks/01_anatomy_of_speed.ipynb")
