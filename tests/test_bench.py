@@ -1,5 +1,6 @@
 """The benchmark harness itself (not a timing test): on a tiny model it runs both peers, they produce
 the same tokens, and the bandwidth arithmetic is the documented formula."""
+import pytest
 import torch
 
 from workbench.bench import copy_bandwidth, decode_bytes_per_token
@@ -59,6 +60,12 @@ def test_anatomy_splits_a_decode_step_into_measured_parts(tiny_folder):
     assert parts["matmul"] > 0 and parts["attention"] > 0 and parts["other ops"] > 0
     assert all(v >= 0 for v in parts.values())
     assert a["tok_s"] == 1 / a["step_s"]
+    # The phases of every step are disjoint and add up to it; the forward pass is timed as one.
+    phases = ("schedule_s", "draft_s", "prepare_s", "forward_s", "sample_s", "postprocess_s")
+    for r in llm.engine.trace:
+        assert all(getattr(r, p) >= 0 for p in phases), r
+        assert sum(getattr(r, p) for p in phases) == pytest.approx(r.total_s, rel=1e-6, abs=1e-7), r
+    assert a["forward_s"] > 0.25 * a["profiled_forward_s"], (a["forward_s"], a["profiled_forward_s"])
     # Self times of disjoint operators inside the profiled forward add up to at most its wall time.
     ops = parts["matmul"] + parts["attention"] + parts["other ops"]
     assert 0 < ops <= 1.05 * a["profiled_forward_s"], (ops, a["profiled_forward_s"])

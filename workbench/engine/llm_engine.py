@@ -224,9 +224,9 @@ class LLMEngine:
             self._draft(batch)
         t_draft = time.perf_counter()
         inputs = plan_step(batch, self.blocks, pending)
+        t_planned = time.perf_counter()        # one process: submit runs the forward itself
         handle = self.executor.submit(inputs)
-        self._in_flight.append(InFlight(scheduler, batch, ops, handle,
-                                        [t0, t1, t_draft, time.perf_counter()]))
+        self._in_flight.append(InFlight(scheduler, batch, ops, handle, [t0, t1, t_draft, t_planned]))
 
     def _draft(self, batch) -> None:
         """Ask the drafter for the drafts the scheduler made room for; a sequence may get fewer
