@@ -81,9 +81,18 @@ def test_a_distilled_student_loads_in_the_engine_and_quantizes(smollm2_llm, prun
     assert len(out[0].outputs[0].token_ids) == 4
 
 
-def test_distillation_resumes_where_it_stopped(smollm2_llm, pruned_student, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def tiny_student(tiny_folder, tmp_path_factory):
+    """The tiny model with half its layers removed, saved: resuming is the trainer's bookkeeping,
+    the same at any size."""
+    pruned = LLM(model=str(tiny_folder), dtype="float32", verbose=False, max_model_len=256,
+                 pruning="layers", pruning_config={"ratio": 0.5, "num_calibration_windows": 2})
+    return pruned.save_pruned(tmp_path_factory.mktemp("tiny-pruned"))
+
+
+def test_distillation_resumes_where_it_stopped(tiny_llm, tiny_student, tmp_path, monkeypatch):
     cfg = StudentDistillConfig(loss="kd", **TINY)
-    straight = distill_student(pruned_student, smollm2_llm, tmp_path / "a", cfg)
+    straight = distill_student(tiny_student, tiny_llm, tmp_path / "a", cfg)
     import workbench.compress.trainer as trainer
     real = trainer.torch.nn.utils.clip_grad_norm_
     calls = {"n": 0}
@@ -96,10 +105,10 @@ def test_distillation_resumes_where_it_stopped(smollm2_llm, pruned_student, tmp_
 
     monkeypatch.setattr(trainer.torch.nn.utils, "clip_grad_norm_", stop_at_step_3)
     with pytest.raises(KeyboardInterrupt):
-        distill_student(pruned_student, smollm2_llm, tmp_path / "b", cfg)
+        distill_student(tiny_student, tiny_llm, tmp_path / "b", cfg)
     assert (tmp_path / "b" / "training_state.pt").is_file()
     monkeypatch.setattr(trainer.torch.nn.utils, "clip_grad_norm_", real)
-    resumed = distill_student(pruned_student, smollm2_llm, tmp_path / "b", cfg, resume=True)
+    resumed = distill_student(tiny_student, tiny_llm, tmp_path / "b", cfg, resume=True)
     assert resumed.history == straight.history
     assert not (tmp_path / "b" / "training_state.pt").exists()   # done: nothing left to resume
     a, _, _ = load_student(tmp_path / "a")

@@ -1,5 +1,6 @@
 """Mixed precision (quant/mixed.py): the knapsack's exact choices, the knobs' errors, an explicit
-plan in the engine, and on SmolLM2 a plan that beats uniform INT4 on KL at no more bytes."""
+plan in the engine, and the engine's own plan within uniform INT4's bytes (that it beats uniform INT4
+on SmolLM2's KL is chapter 09's claim)."""
 from __future__ import annotations
 
 import pytest
@@ -52,12 +53,13 @@ def test_an_explicit_plan_gives_each_projection_its_format(tiny_folder):
             quantization_config={"mixed_plan": {"layers.99.mlp.down_proj": "int8"}})
 
 
-def test_on_smollm2_mixed_beats_uniform_int4_at_no_more_bytes(smollm2_llm):
-    from workbench.quant.calibration import heldout_windows
-    from workbench.experiments.quality import compare_many
+def test_the_engine_plans_its_own_mix_within_uniform_int4s_bytes(tiny_folder):
+    """LLM(quantization="mixed") measures the sensitivities, plans, and quantizes: several formats
+    in no more projection bytes than uniform INT4. That such a plan beats uniform INT4 on SmolLM2's
+    held-out KL is chapter 09's claim (the same planner, asserted at every size)."""
     from workbench.quant.mixed import named_projections
     calib = {"num_calibration_windows": 4, "calibration_window_len": 64, "mixed_sensitivity_windows": 1}
-    engines = {m: LLM(model="smollm2-135m", dtype="float32", verbose=False, max_model_len=256,
+    engines = {m: LLM(model=str(tiny_folder), dtype="float32", verbose=False, max_model_len=256,
                       quantization=m, quantization_config=calib if m == "mixed" else None)
                for m in ("int4", "mixed")}
 
@@ -68,5 +70,5 @@ def test_on_smollm2_mixed_beats_uniform_int4_at_no_more_bytes(smollm2_llm):
     assert projection_bytes(engines["mixed"]) <= projection_bytes(engines["int4"])
     formats = set(engines["mixed"].engine.model.mixed_plan.values())
     assert len(formats) > 1, formats
-    r = compare_many(smollm2_llm, engines, heldout_windows(smollm2_llm.get_tokenizer(), 2, 128))
-    assert r["mixed"].mean_kl < 0.9 * r["int4"].mean_kl, (r["mixed"].mean_kl, r["int4"].mean_kl)
+    out = engines["mixed"].generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -1,7 +1,8 @@
 """Pruning (workbench/compress/): exact masks on hand-made matrices, the pattern's invariants on
 random ones for every method, SparseGPT's reconstruction against the mask-only methods, the knobs'
-errors, on the real model the order the papers report; structured pruning's slicing against
-zeroing, Block Influence on a layer that does nothing, and a smaller engine that still runs."""
+errors; structured pruning's slicing against zeroing, Block Influence on a layer that does
+nothing, and a smaller engine that still runs. The order the papers report on the real model
+(Wanda and SparseGPT far below magnitude at 2:4) is chapter 09's claim, asserted at every size."""
 import math
 import re
 
@@ -12,8 +13,6 @@ from workbench import LLM, SamplingParams
 from workbench.compress.pruning import (PruneConfig, keep_mask, sparsegpt_prune_weight,
                                         sparsity_report, storage_bytes, wanda_score)
 from workbench.compress.structured import block_influence, slice_channels
-from workbench.quant.calibration import heldout_windows
-from workbench.experiments.quality import compare_many
 
 
 def correlated_inputs(tokens: int, k: int, seed: int) -> torch.Tensor:
@@ -136,22 +135,6 @@ def test_pruned_then_quantized_engine_generates():
     assert len(out[0].outputs[0].token_ids) == 4
 
 
-def test_on_smollm2_wanda_and_sparsegpt_beat_magnitude_at_2_4():
-    """The papers' order on the real model at 2:4 (Wanda's Table 2, SparseGPT's Figure 1): the
-    calibrated methods lose much less than magnitude, measured as mean KL to the dense model on
-    held-out text."""
-    common = dict(model="smollm2-135m", dtype="float32", device="cpu", verbose=False,
-                  max_model_len=256)
-    cal = {"pattern": "2:4", "num_calibration_windows": 8, "calibration_window_len": 128}
-    dense = LLM(**common)
-    windows = heldout_windows(dense.engine.tokenizer, 4, 128)
-    pruned = {"magnitude": LLM(**common, pruning="magnitude", pruning_config={"pattern": "2:4"}),
-              "wanda": LLM(**common, pruning="wanda", pruning_config=cal),
-              "sparsegpt": LLM(**common, pruning="sparsegpt", pruning_config=cal)}
-    kl = {k: r.mean_kl for k, r in compare_many(dense, pruned, windows).items()}
-    assert kl["wanda"] < 0.8 * kl["magnitude"] and kl["sparsegpt"] < 0.8 * kl["magnitude"], kl
-
-
 # ----------------------------------------------------------------------------- structured
 def test_slicing_channels_computes_what_zeroing_them_does():
     from workbench.models.llama import MLP
@@ -239,7 +222,7 @@ def test_a_saved_pruned_model_loads_back_and_quantizes(tmp_path, method, options
             quantization="int8").save_pruned(tmp_path / "no")
 
 
-def test_the_compress_bench_reports_every_column():
+def test_the_compress_bench_reports_every_column(tiny_folder):
     from workbench.bench.compress import format_table, parse_variant, run
     assert parse_variant("sparsegpt-50%") == {"pruning": "sparsegpt",
                                               "pruning_config": {"sparsity": 0.5}}
@@ -257,7 +240,9 @@ def test_the_compress_bench_reports_every_column():
     for bad in ("wanda-2:4+kd", "layers-0.3+mse"):
         with pytest.raises(ValueError, match=re.escape(f"variant={bad!r} is invalid: distil a structured")):
             parse_variant(bad)
-    r = run(variants=("magnitude-2:4", "layers-0.3"), num_windows=1, window_len=32, repeats=1)
+    # Its plumbing on the tiny model; `python -m workbench.bench compress` measures SmolLM2.
+    r = run(variants=("magnitude-2:4", "layers-0.3"), num_windows=1, window_len=32, repeats=1,
+            model=str(tiny_folder))
     rows = {row["variant"]: row for row in r["rows"]}
     assert list(rows) == ["dense", "magnitude-2:4", "layers-0.3"]
     assert abs(rows["magnitude-2:4"]["zero_fraction"] - 0.5) < 1e-4   # a few were 0 already

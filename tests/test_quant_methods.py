@@ -1,14 +1,15 @@
 """GPTQ, AWQ and SmoothQuant: unit checks of their math on small matrices, folding checks on the
-real model in fp32, and the acceptance test on the real SmolLM2 in the machine's dtype (bf16 where
-native, else fp32): at group size 128, GPTQ
-and AWQ move the next-token distributions on held-out text less than round-to-nearest INT4 does.
+real model in fp32, and SmoothQuant's W8A8 on the real SmolLM2 in the machine's dtype (bf16 where
+native, else fp32): close to the reference, and closer than the same format without smoothing.
+That GPTQ and AWQ move SmolLM2's next-token distributions less than round-to-nearest INT4 is
+chapter 02's claim (its table of every method, asserted at SMOKE and full size); their engines
+generate under continuous batching in tests/test_quant_engine.py.
 
 Quality is mean KL(reference || candidate) over every position of held-out windows (pydoc topics
 disjoint from the calibration topics, quant/calibration.py), from one prefill per window through
 quant.forward.prefill_logprobs, plus top-1 agreement. The LM head is INT8 by round-to-nearest in
-every method (quant/apply.py), so its share of the KL is common to all of them. Models are built
-once per module with the engine's own plumbing, LLM(quantization=...), and the numbers are printed
-(pytest -s).
+every method (quant/apply.py). Models are built once per module with the engine's own plumbing,
+LLM(quantization=...), and the numbers are printed (pytest -s).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from workbench.kernels.reference import rms_norm_reference
-from workbench import LLM, SamplingParams
+from workbench import LLM
 from workbench.models.loader import load_model, resolve_checkpoint
 from workbench.quant.apply import QuantConfig, quantize_model
 from workbench.quant.awq import search_scale
@@ -27,7 +28,7 @@ from workbench.quant.calibration import calibration_windows, heldout_windows
 from workbench.layers.formats import quantize_int4
 from workbench.quant.forward import prefill_hidden, prefill_logprobs
 from workbench.quant.gptq import LayerwiseRunner, gptq_quantize_weight
-from workbench.layers.linear import QuantLinear, W8A8Linear
+from workbench.layers.linear import W8A8Linear
 from workbench.quant.smoothquant import (LayerWeights, collect_input_stats, fold_scales,
                                          gqa_shared, input_channel_max,
                                          previous_op_weight_absmax, smoothing_scales)
@@ -40,8 +41,6 @@ QUANT_CONFIG = {"group_size": GROUP_SIZE, "num_calibration_windows": NUM_CALIBRA
                 "calibration_window_len": WINDOW_LEN}
 # "auto": bf16 where native, fp32 where the CPU would emulate bf16 (slow).
 ENGINE = dict(dtype="auto", device="cpu", verbose=False, max_model_len=512, max_num_seqs=4)
-PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time",
-           "The three primary colors are"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -259,17 +258,6 @@ def quality(heldout, quantized):
     return get
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_calibrated_int4_beats_rtn(quality, method):
-    """The acceptance criterion: lower mean KL than RTN INT4 at the same group size."""
-    kl_rtn, top1_rtn = quality("int4")
-    kl, top1 = quality(method)
-    print(f"\n{method} vs RTN int4, group {GROUP_SIZE}: KL {kl:.4f} vs {kl_rtn:.4f} "
-          f"({kl / kl_rtn:.2f}x), top-1 {top1:.3f} vs {top1_rtn:.3f}")
-    assert kl < 0.8 * kl_rtn
-    assert top1 > top1_rtn
-
-
 def test_smoothquant_w8a8_is_close_and_smoothing_helps(quality, reference, heldout):
     """W8A8 with smoothing stays close to the reference (INT8 LM head included); the bounds leave
     room for noise, not for a broken method. The same W8A8 format without smoothing (per-token
@@ -287,22 +275,6 @@ def test_smoothquant_w8a8_is_close_and_smoothing_helps(quality, reference, heldo
     print(f"\nW8A8 without smoothing: mean KL {kl_plain:.4f}, top-1 {top1_plain:.3f}; "
           f"SmoothQuant {kl:.4f}, {top1:.3f}")
     assert kl < 0.7 * kl_plain
-
-
-@pytest.mark.parametrize("method", ["gptq", "awq", "smoothquant"])
-def test_generates_with_continuous_batching(quantized, method):
-    llm = quantized(method)
-    layers = llm.engine.model.layers
-    assert isinstance(layers[0].self_attn.qkv_proj, QuantLinear)
-    assert isinstance(layers[-1].mlp.down_proj, QuantLinear)
-    before = len(llm.trace)
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12))
-    assert len(outs) == len(PROMPTS)
-    for prompt, out in zip(PROMPTS, outs):
-        text = out.outputs[0].text
-        print(f"\n{method}: {prompt!r} -> {text!r}")
-        assert out.outputs[0].token_ids and out.outputs[0].finish_reason in ("stop", "length")
-    assert max(r.num_seqs for r in llm.trace[before:]) > 1   # the prompts ran batched
 
 
 def test_input_channel_max_shows_outliers(reference, short_windows):
