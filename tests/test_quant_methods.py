@@ -124,40 +124,40 @@ def test_awq_search_protects_large_channels():
 
 # ----------------------------------------------------------------------------- folding, fp32
 @pytest.fixture(scope="module")
-def fp32_model():
+def smollm2_fp32():
     return load_model(resolve_checkpoint("smollm2-135m"), torch.float32, torch.device("cpu"), 512)
 
 
 @pytest.fixture(scope="module")
-def short_windows(reference):
-    return calibration_windows(reference.engine.tokenizer, 2, 64)
+def short_windows(smollm2_reference):
+    return calibration_windows(smollm2_reference.engine.tokenizer, 2, 64)
 
 
-def test_layerwise_runner_matches_the_model(fp32_model, short_windows):
+def test_layerwise_runner_matches_the_model(smollm2_fp32, short_windows):
     """Calibration steps packed windows through the layers one at a time: the final hidden
     states are the model's own, window by window."""
-    runner = LayerwiseRunner(fp32_model, short_windows, max_tokens=100)   # one window per chunk
+    runner = LayerwiseRunner(smollm2_fp32, short_windows, max_tokens=100)   # one window per chunk
     assert len(runner.chunks) == 2 and runner.num_tokens == 128
-    for i in range(len(fp32_model.layers)):
+    for i in range(len(smollm2_fp32.layers)):
         runner.run(i, advance=True)
-    packed = LayerwiseRunner(fp32_model, short_windows)                    # both in one chunk
-    for i in range(len(fp32_model.layers)):
+    packed = LayerwiseRunner(smollm2_fp32, short_windows)                    # both in one chunk
+    for i in range(len(smollm2_fp32.layers)):
         packed.run(i, advance=True)
-    norm = fp32_model.norm
+    norm = smollm2_fp32.norm
     for chunks in (runner.chunks, packed.chunks):
         hidden = torch.cat([rms_norm_reference(c["x"], norm.weight, norm.eps, c["residual"])[0]
                             for c in chunks])
-        expected = torch.cat([prefill_hidden(fp32_model, w) for w in short_windows])
+        expected = torch.cat([prefill_hidden(smollm2_fp32, w) for w in short_windows])
         torch.testing.assert_close(hidden, expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("kind, pruned", [("random", None), ("smoothquant", None),
                                           ("random", "channels"), ("smoothquant", "heads")])
-def test_folding_keeps_the_function(fp32_model, short_windows, kind, pruned):
+def test_folding_keeps_the_function(smollm2_fp32, short_windows, kind, pruned):
     """Scales folded into the previous ops (norms, v rows, up rows), weights left in float: the
     model computes the same logits, for random scales (AWQ's are such) and SmoothQuant's, also
     when MLP channels or query heads were pruned first (each layer's own width and head count)."""
-    model = copy.deepcopy(fp32_model)
+    model = copy.deepcopy(smollm2_fp32)
     if pruned:
         from workbench.compress.structured import prune_structured
         prune_structured(model, pruned, 0.3, short_windows)
@@ -166,7 +166,7 @@ def test_folding_keeps_the_function(fp32_model, short_windows, kind, pruned):
             assert all(l.mlp.down_proj.in_features < a.intermediate_size for l in model.layers)
         else:
             assert any(l.self_attn.num_heads < a.num_attention_heads for l in model.layers)
-        fp32_model = copy.deepcopy(model)          # the pruned model is the reference
+        smollm2_fp32 = copy.deepcopy(model)          # the pruned model is the reference
     args = model.args
     stats = collect_input_stats(model, short_windows) if kind == "smoothquant" else None
     g = torch.Generator().manual_seed(0)
@@ -185,7 +185,7 @@ def test_folding_keeps_the_function(fp32_model, short_windows, kind, pruned):
             fold_scales(w, target, s, args)
         w.write_float(layer)
     window = short_windows[0]
-    before = prefill_logprobs(fp32_model, window)
+    before = prefill_logprobs(smollm2_fp32, window)
     after = prefill_logprobs(model, window)
     diff = (before - after).abs().max().item()
     print(f"\nfolding ({kind} scales), fp32: max |delta logprob| {diff:.2e}")
@@ -193,26 +193,26 @@ def test_folding_keeps_the_function(fp32_model, short_windows, kind, pruned):
     assert torch.equal(before.argmax(-1), after.argmax(-1))
 
 
-def test_o_proj_scales_must_be_shared_within_a_kv_group(fp32_model):
-    w = LayerWeights.from_layer(fp32_model.layers[0])
+def test_o_proj_scales_must_be_shared_within_a_kv_group(smollm2_fp32):
+    w = LayerWeights.from_layer(smollm2_fp32.layers[0])
     s = torch.ones(w.o_proj.shape[1])
     s[0] = 2.0       # query head 0 only: its kv head also feeds query heads 1 and 2
     with pytest.raises(ValueError, match="kv head"):
-        fold_scales(w, "o_proj", s, fp32_model.args)
+        fold_scales(w, "o_proj", s, smollm2_fp32.args)
 
 
 # ----------------------------------------------------------------------------- the real model
 @pytest.fixture(scope="module")
-def reference():
+def smollm2_reference():
     return LLM("smollm2-135m", **ENGINE)
 
 
 @pytest.fixture(scope="module")
-def heldout(reference):
-    windows = heldout_windows(reference.engine.tokenizer, NUM_HELDOUT, WINDOW_LEN)
-    calibration = calibration_windows(reference.engine.tokenizer, NUM_CALIBRATION, WINDOW_LEN)
+def heldout(smollm2_reference):
+    windows = heldout_windows(smollm2_reference.engine.tokenizer, NUM_HELDOUT, WINDOW_LEN)
+    calibration = calibration_windows(smollm2_reference.engine.tokenizer, NUM_CALIBRATION, WINDOW_LEN)
     assert not {tuple(w) for w in windows} & {tuple(w) for w in calibration}
-    return windows, [prefill_logprobs(reference.engine.model, w) for w in windows]
+    return windows, [prefill_logprobs(smollm2_reference.engine.model, w) for w in windows]
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +258,7 @@ def quality(heldout, quantized):
     return get
 
 
-def test_smoothquant_w8a8_is_close_and_smoothing_helps(quality, reference, heldout):
+def test_smoothquant_w8a8_is_close_and_smoothing_helps(quality, smollm2_reference, heldout):
     """W8A8 with smoothing stays close to the reference (INT8 LM head included); the bounds leave
     room for noise, not for a broken method. The same W8A8 format without smoothing (per-token
     INT8 activations as they come) has clearly more KL. `python -m pytest -s
@@ -266,9 +266,9 @@ def test_smoothquant_w8a8_is_close_and_smoothing_helps(quality, reference, heldo
     kl, top1 = quality("smoothquant")
     assert kl < 0.04
     assert top1 > 0.88
-    plain = copy.deepcopy(reference.engine.model)
+    plain = copy.deepcopy(smollm2_reference.engine.model)
     cfg = QuantConfig.from_args("smoothquant", {**QUANT_CONFIG, "smoothquant_targets": []})
-    tokenizer = reference.engine.tokenizer
+    tokenizer = smollm2_reference.engine.tokenizer
     quantize_model(plain, cfg, calibration_windows(tokenizer, NUM_CALIBRATION, WINDOW_LEN))
     assert isinstance(plain.layers[0].mlp.down_proj, W8A8Linear)
     kl_plain, top1_plain = mean_kl_top1(plain, heldout)
@@ -277,10 +277,10 @@ def test_smoothquant_w8a8_is_close_and_smoothing_helps(quality, reference, heldo
     assert kl < 0.7 * kl_plain
 
 
-def test_input_channel_max_shows_outliers(reference, short_windows):
+def test_input_channel_max_shows_outliers(smollm2_reference, short_windows):
     """What SmoothQuant is about, on a real layer: a few input channels far above the rest (here
     one of SmolLM2's 'massive activations', measured ~5900x the median channel)."""
-    model = reference.engine.model
+    model = smollm2_reference.engine.model
     amax = input_channel_max(model, short_windows, "layers.11.mlp.down_proj")
     assert amax.shape == (model.args.intermediate_size,)
     ratio = (amax.max() / amax.median()).item()
