@@ -4,6 +4,7 @@ chapter 00's longest prompt needs several prefill chunks) also run here with SMO
 `./run report` runs them. All chapters run in one subprocess (torch and the notebook stack are
 imported once), each in its own namespace, and each chapter's outcome is its own test."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +41,7 @@ def outcomes() -> dict:
     sources = {nb.stem: size_cells(nb) for nb in CHAPTERS}
     done = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(sources), cwd=ROOT / "notebooks",
                           capture_output=True, text=True, timeout=600,
-                          env={**__import__("os").environ, "WORKBENCH_SMOKE": "0"})
+                          env={**os.environ, "WORKBENCH_SMOKE": "0"})
     line = next((l for l in done.stdout.splitlines() if l.startswith("OUTCOMES ")), None)
     assert line is not None, done.stdout[-2000:] + done.stderr[-3000:]
     return json.loads(line.removeprefix("OUTCOMES "))

@@ -8,13 +8,12 @@ generate under continuous batching in tests/test_quant_engine.py.
 Quality is mean KL(reference || candidate) over every position of held-out windows (pydoc topics
 disjoint from the calibration topics, quant/calibration.py), from one prefill per window through
 quant.forward.prefill_logprobs, plus top-1 agreement. The LM head is INT8 by round-to-nearest in
-every method (quant/apply.py). Models are built once per module with the engine's own plumbing,
+every method (quant/apply.py). The SmoothQuant model is built with the engine's own plumbing,
 LLM(quantization=...), and the numbers are printed (pytest -s).
 """
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
@@ -136,11 +135,11 @@ def short_windows(smollm2_reference):
 def test_layerwise_runner_matches_the_model(smollm2_fp32, short_windows):
     """Calibration steps packed windows through the layers one at a time: the final hidden
     states are the model's own, window by window."""
-    runner = LayerwiseRunner(smollm2_fp32, short_windows, max_tokens=100)   # one window per chunk
+    runner = LayerwiseRunner(smollm2_fp32, short_windows, max_tokens=100)  # one window per chunk
     assert len(runner.chunks) == 2 and runner.num_tokens == 128
     for i in range(len(smollm2_fp32.layers)):
         runner.run(i, advance=True)
-    packed = LayerwiseRunner(smollm2_fp32, short_windows)                    # both in one chunk
+    packed = LayerwiseRunner(smollm2_fp32, short_windows)                  # both in one chunk
     for i in range(len(smollm2_fp32.layers)):
         packed.run(i, advance=True)
     norm = smollm2_fp32.norm
@@ -166,7 +165,7 @@ def test_folding_keeps_the_function(smollm2_fp32, short_windows, kind, pruned):
             assert all(l.mlp.down_proj.in_features < a.intermediate_size for l in model.layers)
         else:
             assert any(l.self_attn.num_heads < a.num_attention_heads for l in model.layers)
-        smollm2_fp32 = copy.deepcopy(model)          # the pruned model is the reference
+        smollm2_fp32 = copy.deepcopy(model)        # the pruned model is the reference
     args = model.args
     stats = collect_input_stats(model, short_windows) if kind == "smoothquant" else None
     g = torch.Generator().manual_seed(0)
@@ -215,23 +214,6 @@ def heldout(smollm2_reference):
     return windows, [prefill_logprobs(smollm2_reference.engine.model, w) for w in windows]
 
 
-@pytest.fixture(scope="module")
-def quantized():
-    """method -> its LLM, built on first use (the build time, load + calibrate + quantize, is
-    printed)."""
-    built: dict[str, tuple[LLM, float]] = {}
-
-    def get(method: str) -> LLM:
-        if method not in built:
-            start = time.perf_counter()
-            llm = LLM("smollm2-135m", quantization=method, quantization_config=QUANT_CONFIG,
-                      **ENGINE)
-            built[method] = (llm, time.perf_counter() - start)
-            print(f"\n{method}: built in {built[method][1]:.1f} s")
-        return built[method][0]
-    return get
-
-
 def mean_kl_top1(model, heldout) -> tuple[float, float]:
     """Mean KL(reference || model) over the held-out positions, fp32, and top-1 agreement."""
     windows, refs = heldout
@@ -244,26 +226,13 @@ def mean_kl_top1(model, heldout) -> tuple[float, float]:
     return kl.mean().item(), agree / kl.numel()
 
 
-@pytest.fixture(scope="module")
-def quality(heldout, quantized):
-    """method -> (mean KL(reference || candidate) in nats, top-1 agreement), measured once."""
-    measured: dict[str, tuple[float, float]] = {}
-
-    def get(method: str) -> tuple[float, float]:
-        if method not in measured:
-            measured[method] = mean_kl_top1(quantized(method).engine.model, heldout)
-            print(f"\n{method}: mean KL {measured[method][0]:.4f} nats, top-1 agreement "
-                  f"{measured[method][1]:.3f} ({NUM_HELDOUT * WINDOW_LEN} held-out positions)")
-        return measured[method]
-    return get
-
-
-def test_smoothquant_w8a8_is_close_and_smoothing_helps(quality, smollm2_reference, heldout):
+def test_smoothquant_w8a8_is_close_and_smoothing_helps(smollm2_reference, heldout):
     """W8A8 with smoothing stays close to the reference (INT8 LM head included); the bounds leave
     room for noise, not for a broken method. The same W8A8 format without smoothing (per-token
     INT8 activations as they come) has clearly more KL. `python -m pytest -s
     tests/test_quant_methods.py -k smoothing_helps` prints both measurements."""
-    kl, top1 = quality("smoothquant")
+    smoothed = LLM("smollm2-135m", quantization="smoothquant", quantization_config=QUANT_CONFIG, **ENGINE)
+    kl, top1 = mean_kl_top1(smoothed.engine.model, heldout)
     assert kl < 0.04
     assert top1 > 0.88
     plain = copy.deepcopy(smollm2_reference.engine.model)
