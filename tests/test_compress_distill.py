@@ -57,7 +57,7 @@ def pruned_student(smollm2_llm, tmp_path_factory):
 
 @pytest.mark.parametrize("loss", ["kd", "seqkd", "reverse_kl", "gkd"])
 def test_every_loss_moves_the_student_toward_the_teacher(smollm2_llm, pruned_student, tmp_path, loss):
-    cfg = StudentDistillConfig(loss=loss, on_policy=1.0, **dict(TINY, eval_every=4))
+    cfg = StudentDistillConfig(loss=loss, on_policy=1.0, **dict(TINY, eval_every=4, checkpoint_every=0))
     run = distill_student(pruned_student, smollm2_llm, tmp_path, cfg)
     first, last = run.history[0], run.history[-1]
     assert [h["step"] for h in run.history] == [0, 4]
@@ -73,7 +73,8 @@ def test_every_loss_moves_the_student_toward_the_teacher(smollm2_llm, pruned_stu
 
 
 def test_a_distilled_student_loads_in_the_engine_and_quantizes(smollm2_llm, pruned_student, tmp_path):
-    distill_student(pruned_student, smollm2_llm, tmp_path, StudentDistillConfig(**TINY))
+    distill_student(pruned_student, smollm2_llm, tmp_path,
+                    StudentDistillConfig(**dict(TINY, checkpoint_every=0)))
     llm = LLM(model=str(tmp_path), dtype="float32", verbose=False, quantization="int8",
               max_model_len=128)
     assert llm.engine.model_args.num_hidden_layers == 21

@@ -4,8 +4,8 @@ and speculative decoding's draft model (compress/draft.py) both run it.
     batches (seeded permutations of the items) -> batch_loss(indices, step) -> AdamW step
       (gradients clipped to norm 1; linear warm-up over 5% of the steps, then cosine decay to
        10% of the rate) -> every `eval_every` steps and at the end: evaluate() into the history
-      -> every `checkpoint_every` steps: model, optimizer, schedule, batch order and history to
-         one file, from which `resume=True` continues exactly where it stopped
+      -> every `checkpoint_every` steps before the last: model, optimizer, schedule, batch order
+         and history to one file, from which `resume=True` continues exactly where it stopped
 """
 from __future__ import annotations
 
@@ -82,8 +82,10 @@ def train(model: torch.nn.Module, param_groups: list[dict], num_items: int,
             losses = []
             log(f"[train] step {step}: {_metrics(history[-1])} ({time.perf_counter() - start:.0f} s, "
                 f"{rate:.0f} training tokens/s)")
-        if checkpoint is not None and cfg.checkpoint_every and (
-                step % cfg.checkpoint_every == 0 or step == cfg.steps):
+        # None after the last step: the caller saves the trained model next, so the weights and
+        # AdamW's two moments (three copies of the model) would be written only to be deleted.
+        if (checkpoint is not None and cfg.checkpoint_every and step % cfg.checkpoint_every == 0
+                and step < cfg.steps):
             _save(checkpoint, {"step": step, "model": model.state_dict(),
                                "optimizer": optimizer.state_dict(),
                                "schedule": schedule.state_dict(),
