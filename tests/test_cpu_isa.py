@@ -1,9 +1,10 @@
 """kernels/cpu on every instruction set this machine can execute, not only its best one.
 
 The rest of the suite runs the build `best_isa()` picks. Here the kernel tests that check the
-operators' numbers run again in a subprocess per lower build (`WORKBENCH_ISA=avx2`, ...), so an AVX-512 machine also tests the AVX2
-code that most laptops run and the portable code that ARM builds, and the portable sources are
-compiled for aarch64 when a cross compiler is installed (`./run test` installs Debian's)."""
+operators' numbers run again in a subprocess per lower build (`WORKBENCH_ISA=avx2`, ...), so an
+AVX-512 machine also tests the AVX2 code that most laptops run and the portable code that ARM
+builds, and the portable sources are compiled for aarch64 when a cross compiler is installed
+(`./run test` installs Debian's)."""
 import os
 import shutil
 import subprocess

@@ -231,7 +231,8 @@ def test_smoothquant_w8a8_is_close_and_smoothing_helps(smollm2_reference, heldou
     room for noise, not for a broken method. The same W8A8 format without smoothing (per-token
     INT8 activations as they come) has clearly more KL. `python -m pytest -s
     tests/test_quant_methods.py -k smoothing_helps` prints both measurements."""
-    smoothed = LLM("smollm2-135m", quantization="smoothquant", quantization_config=QUANT_CONFIG, **ENGINE)
+    smoothed = LLM("smollm2-135m", quantization="smoothquant", quantization_config=QUANT_CONFIG,
+                   **ENGINE)
     kl, top1 = mean_kl_top1(smoothed.engine.model, heldout)
     assert kl < 0.04
     assert top1 > 0.88
