@@ -25,6 +25,7 @@ class ModelFacts:
     """What the resolver needs to know of the model (its config.json, before any weight loads)."""
     max_position_embeddings: int
     kv_bytes_per_token: int             # in the plan's dtype and KV format, every layer together
+    sliding_window: int | None = None   # a window the engine does not apply: contexts stay within it
 
 
 @dataclass(frozen=True)

@@ -61,15 +61,26 @@ def resolve(config, kernels: KernelPlan, facts: ModelFacts) -> EnginePlan:
     """The whole plan: `kernels` and the sizes that depend on the model."""
     reasons = {}
     model_len = facts.max_position_embeddings
+    window = facts.sliding_window
     max_model_len = config.max_model_len
     if max_model_len is None:
         max_model_len = min(model_len, DEFAULT_MAX_MODEL_LEN)
         if max_model_len < model_len:
             reasons["max_model_len"] = (f"the model's context is {model_len}; the default caps it "
                                         f"at {DEFAULT_MAX_MODEL_LEN}")
+        if window is not None and window < max_model_len:
+            max_model_len = window
+            reasons["max_model_len"] = (f"the model attends over a sliding window of {window} "
+                                        "tokens, which the engine does not apply; within it full "
+                                        "attention sees the same keys")
     elif max_model_len > model_len:
         raise ValueError(f"max_model_len={max_model_len} is invalid: the model's context is "
                          f"{model_len} tokens")
+    elif window is not None and max_model_len > window:
+        raise ValueError(f"max_model_len={max_model_len} is invalid for this model: it attends over "
+                         f"a sliding window of {window} tokens (sliding_window in its config.json), "
+                         f"which the engine does not apply, so contexts must stay within "
+                         f"{window} tokens, where full attention is the same")
     batched = config.max_num_batched_tokens
     if not config.enable_chunked_prefill and batched < max_model_len:
         batched = max_model_len        # without chunked prefill a whole prompt must fit a step

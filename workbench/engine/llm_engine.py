@@ -63,7 +63,7 @@ class LLMEngine:
         kernels = plan_kernels(config)
         plan = resolve(config, kernels, ModelFacts(
             args.max_position_embeddings,
-            kv_bytes_per_token(args, kernels.dtype, config.kv_cache_dtype)))
+            kv_bytes_per_token(args, kernels.dtype, config.kv_cache_dtype), args.sliding_window))
         self.tokenizer = load_tokenizer(self.checkpoint)
         contiguous = config.kv_cache_layout == "contiguous"
         self.blocks = BlockManager(plan.num_kv_blocks, config.block_size,

