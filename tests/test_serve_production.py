@@ -443,6 +443,17 @@ def test_each_limit_names_the_field_the_value_and_the_limit(gw, path, body, stat
     assert rejected(after, reason) - rejected(before, reason) == 1
 
 
+def read_log_until(path, done, timeout: float = 10.0) -> list[dict]:
+    """The access log's JSON lines once `done(lines)` holds (or after `timeout`): the gateway
+    writes a request's line after the response is sent, so the client can get there first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        if done(lines) or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.05)
+
+
 def test_access_log_has_one_json_line_per_request(gw):
     url = gw["url"]
     rid = "trace-me-0001"
@@ -450,7 +461,7 @@ def test_access_log_has_one_json_line_per_request(gw):
                    json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True}, timeout=60)
     assert r.status_code == 200 and r.headers["x-request-id"] == rid
     httpx.post(f"{url}/v1/completions", headers=auth("wrong"), json={"prompt": "hi"})
-    lines = [json.loads(line) for line in gw["log"].read_text().splitlines()]
+    lines = read_log_until(gw["log"], lambda lines: lines and lines[-1]["status"] == 401)
     fields = {"request_id", "key", "endpoint", "status", "prompt_tokens", "completion_tokens",
               "ttft_s", "e2e_s", "finish_reason", "rejection"}
     assert all(fields <= set(line) for line in lines)
