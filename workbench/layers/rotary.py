@@ -9,6 +9,13 @@ import torch
 from torch import nn
 
 
+def check_rope_scaling(scaling: dict | None) -> None:
+    """A ValueError for a rope_scaling this module cannot apply (None: no rescaling)."""
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind not in (None, "default", "llama3"):
+        raise ValueError(f"rope_scaling type {kind!r} is not supported: allowed are default, llama3")
+
+
 def rope_inv_freq(args) -> torch.Tensor:
     """Rotation frequency of each pair of dimensions, with Llama 3's long-context rescaling if set."""
     dim = args.head_dim
@@ -16,9 +23,7 @@ def rope_inv_freq(args) -> torch.Tensor:
     scaling = args.rope_scaling
     if scaling is None:
         return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported: allowed are default, llama3")
+    check_rope_scaling(scaling)
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq

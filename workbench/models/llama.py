@@ -25,7 +25,7 @@ from torch import nn
 from workbench.attention.metadata import AttentionMetadata
 from workbench.layers.linear import QuantLinear
 from workbench.layers.norm import RMSNorm
-from workbench.layers.rotary import RotaryEmbedding
+from workbench.layers.rotary import RotaryEmbedding, check_rope_scaling
 
 
 # config.json model_type values this module runs (None: a config that does not say).
@@ -72,9 +72,7 @@ class LlamaArgs:
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
-        if scaling is not None and scaling.get("rope_type", scaling.get("type")) != "llama3":
-            raise ValueError(f"rope_scaling type {scaling.get('rope_type', scaling.get('type'))!r} "
-                             "is not supported: allowed are default, llama3")
+        check_rope_scaling(scaling)
         return cls(
             vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
